@@ -1,0 +1,16 @@
+"""The README's Python example runs as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_python_examples_run() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert blocks, "README.md has no python example"
+    for block in blocks:
+        namespace: dict[str, object] = {}
+        exec(compile(block, str(README), "exec"), namespace)

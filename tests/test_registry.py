@@ -1,0 +1,56 @@
+"""Plug-in registry: run-time registrations, entry points, and a helpful unknown-name error."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint
+
+import pytest
+
+import tiered_kv.registry as registry_module
+from tiered_kv import TieredKVError, UnknownPluginError
+from tiered_kv.registry import Registry
+
+
+class FakeEntryPoints:
+    def __init__(self, points: list[EntryPoint]) -> None:
+        self.points = points
+
+    def __call__(self, *, group: str) -> list[EntryPoint]:
+        return [p for p in self.points if p.group == group]
+
+
+def test_entry_points_of_the_group_are_found_and_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    points = [
+        EntryPoint(name="ordered", value="collections:OrderedDict", group="demo.group"),
+        EntryPoint(name="elsewhere", value="json:dumps", group="other.group"),
+    ]
+    monkeypatch.setattr(registry_module, "entry_points", FakeEntryPoints(points))
+    registry: Registry[object] = Registry("demo.group", "demo plug-in")
+    from collections import OrderedDict
+
+    assert registry.get("ordered") is OrderedDict
+    assert registry.names() == ["ordered"]
+
+
+def test_run_time_registration_shadows_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    points = [EntryPoint(name="x", value="collections:OrderedDict", group="demo.group")]
+    monkeypatch.setattr(registry_module, "entry_points", FakeEntryPoints(points))
+    registry: Registry[object] = Registry("demo.group", "demo plug-in")
+    marker = object()
+    registry.register("x", marker)
+    registry.register("y", marker)
+    assert registry.get("x") is marker
+    assert registry.names() == ["x", "y"]
+    registry.unregister("x")
+    assert registry.get("x") is not marker
+
+
+def test_unknown_name_lists_what_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry_module, "entry_points", FakeEntryPoints([]))
+    registry: Registry[object] = Registry("demo.group", "tier driver")
+    registry.register("cpu", object())
+    registry.register("nvme", object())
+    with pytest.raises(UnknownPluginError, match=r"unknown tier driver 'gpu2'; available: cpu, nvme") as caught:
+        registry.get("gpu2")
+    assert isinstance(caught.value, TieredKVError) and isinstance(caught.value, LookupError)
+    assert caught.value.available == ["cpu", "nvme"]

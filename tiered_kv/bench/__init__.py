@@ -1,0 +1,104 @@
+"""``tiered-kv bench``: measured figures, each against a limit measured in the same run.
+
+A bench is made of sections (``keys`` now; the drivers, policies and manager add theirs).
+Each section adds its own command-line options, runs, and returns a JSON-able payload
+plus a table for people. A bare ``tiered-kv bench`` runs every section in order; the
+JSON document is ``{"schema": 1, "<section>": payload, ..., "errors": [...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+
+from tiered_kv.bench.report import Progress, Table
+
+SCHEMA_VERSION = 1
+
+
+class SectionResult(msgspec.Struct, frozen=True, kw_only=True):
+    #: The section's JSON value (``document[section.name]``).
+    payload: Any
+    tables: list[Table]
+
+
+class BenchSection(Protocol):
+    name: str
+    summary: str
+
+    def add_arguments(self, parser: argparse._ArgumentGroup) -> None: ...
+
+    def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult: ...
+
+
+def _sections() -> list[BenchSection]:
+    from tiered_kv.bench.keys import KeysSection
+
+    return [KeysSection()]
+
+
+def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]] = _sections) -> None:
+    all_sections = sections()
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure throughput and hit rates against this machine's own limits",
+        description="Run benchmark sections (all when none is named): "
+        + "; ".join(f"{s.name}: {s.summary}" for s in all_sections),
+    )
+    parser.add_argument(
+        "sections",
+        nargs="*",
+        metavar="SECTION",
+        help=f"sections to run, in order (default: all of {', '.join(s.name for s in all_sections)})",
+    )
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
+    for section in all_sections:
+        section.add_arguments(parser.add_argument_group(f"{section.name} section"))
+
+    def handler(args: argparse.Namespace) -> int:
+        known = [s.name for s in all_sections]
+        unknown = [name for name in args.sections if name not in known]
+        if unknown:
+            parser.error(f"invalid choice: {unknown[0]!r} (choose from {', '.join(known)})")
+        return run_bench(args, all_sections)
+
+    parser.set_defaults(handler=handler)
+
+
+def run_bench(args: argparse.Namespace, sections: Sequence[BenchSection], out: Any = None) -> int:
+    """Run the chosen sections; print tables; write JSON; 1 if any section failed."""
+    out = out or sys.stdout
+    chosen = [s for s in sections if not args.sections or s.name in args.sections]
+    document: dict[str, Any] = {"schema": SCHEMA_VERSION}
+    errors: list[dict[str, str]] = []
+    progress = Progress(sys.stderr)
+    for section in chosen:
+        started = time.perf_counter()
+        progress.section(section.name)
+        try:
+            result = section.run(args, progress)
+        except Exception as exc:  # a failed section must not hide the others' figures
+            reason = f"{type(exc).__name__}: {exc}"
+            errors.append({"section": section.name, "error": reason})
+            print(f"bench section {section.name!r} failed: {reason}", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+            continue
+        finally:
+            progress.done()
+        document[section.name] = result.payload
+        for table in result.tables:
+            print(table.render(), file=out)
+            print(file=out)
+        print(f"[{section.name}: {time.perf_counter() - started:.1f} s]", file=sys.stderr)
+    document["errors"] = errors
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(document), indent=2) + b"\n")
+    return 1 if errors else 0

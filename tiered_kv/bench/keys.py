@@ -1,0 +1,96 @@
+"""Bench section ``keys``: chunk-key hashing throughput for a long prompt.
+
+vLLM reports 100–200 ns per token for its SHA-256 prefix hashing; the figure here is the
+whole :func:`tiered_kv.keys.chunk_keys` path (token packing, chained block hashes, chunk
+keys) for one prompt, best and median of several repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from tiered_kv.bench import SectionResult
+from tiered_kv.bench.report import Progress, Table
+from tiered_kv.keys import chunk_keys, chunk_keys_from_block_hashes
+from tiered_kv.layout import KVGeometry, KVGroup
+from tiered_kv.namespace import Namespace
+
+
+class KeysSection:
+    name = "keys"
+    summary = "chunk-key hashing throughput (ns per token)"
+
+    def add_arguments(self, parser: argparse._ArgumentGroup) -> None:
+        parser.add_argument("--key-tokens", type=int, default=131072, help="prompt length (default 131072)")
+        parser.add_argument("--key-block-size", type=int, default=16, help="tokens per GPU block (default 16)")
+        parser.add_argument("--key-repeats", type=int, default=7, help="timed repetitions (default 7)")
+
+    def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
+        n_tokens, block_size, repeats = args.key_tokens, args.key_block_size, args.key_repeats
+        namespace = Namespace(
+            model_id="bench/keys",
+            model_revision="0",
+            geometry=KVGeometry(
+                dtype="bfloat16",
+                block_size=block_size,
+                chunk_size=block_size * 16,
+                groups=(KVGroup(num_layers=32, num_kv_heads=8, head_dim=128),),
+            ),
+        )
+        rng = np.random.default_rng(0)
+        token_array = rng.integers(0, 128_256, n_tokens, dtype=np.int64)
+        token_list = token_array.tolist()
+        engine_hashes = [rng.bytes(32) for _ in range(n_tokens // block_size)]
+        cases: list[tuple[str, int, Callable[[], object]]] = [
+            ("token ids (list)", n_tokens, lambda: chunk_keys(namespace, token_list)),
+            ("token ids (numpy)", n_tokens, lambda: chunk_keys(namespace, token_array)),
+            ("engine block hashes", n_tokens, lambda: chunk_keys_from_block_hashes(namespace, engine_hashes)),
+        ]
+        rows, payload_cases = [], []
+        for i, (label, tokens, fn) in enumerate(cases):
+            progress.step(i, len(cases), label)
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - started)
+            best, median = min(times), statistics.median(times)
+            payload_cases.append(
+                {
+                    "input": label,
+                    "tokens": tokens,
+                    "ns_per_token_best": best * 1e9 / tokens,
+                    "ns_per_token_median": median * 1e9 / tokens,
+                    "tokens_per_s_median": tokens / median,
+                }
+            )
+            rows.append(
+                [
+                    label,
+                    f"{tokens:,}",
+                    f"{best * 1e9 / tokens:.1f}",
+                    f"{median * 1e9 / tokens:.1f}",
+                    f"{tokens / median / 1e6:.1f}",
+                ]
+            )
+        progress.step(len(cases), len(cases), "done")
+        table = Table(
+            title=f"keys: SHA-256 chunk keys, block {block_size}, chunk {block_size * 16} tokens",
+            headers=["input", "tokens", "ns/token best", "ns/token median", "Mtokens/s"],
+            rows=rows,
+            note="reference: vLLM reports 100-200 ns/token for SHA-256 prefix hashing",
+        )
+        return SectionResult(
+            payload={
+                "block_size": block_size,
+                "chunk_size": block_size * 16,
+                "repeats": repeats,
+                "cases": payload_cases,
+            },
+            tables=[table],
+        )

@@ -1,0 +1,132 @@
+"""Configuration: frozen msgspec Structs, loaded from TOML or JSON.
+
+Unknown fields are rejected, and every error names the bad field and the file it came
+from, so a typo in a deployment's config fails at start-up instead of silently using a
+default.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from tiered_kv.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _require_positive(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"must be a positive integer, got {value!r}", field=field)
+
+
+class WritePolicy(enum.StrEnum):
+    """When a chunk stored in the cpu tier is also written to nvme."""
+
+    #: Every stored chunk is written to nvme in the background.
+    WRITE_THROUGH = "write_through"
+    #: A chunk is written to nvme when the cpu tier evicts it.
+    WRITE_BACK = "write_back"
+    #: A chunk is written to nvme once it has been hit ``selective_hits`` times.
+    SELECTIVE = "selective"
+
+
+class CpuTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    capacity_bytes: int
+
+    def __post_init__(self) -> None:
+        _require_positive("capacity_bytes", self.capacity_bytes)
+
+
+class NvmeTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    #: Root directory; each namespace gets an owner-only subdirectory below it.
+    root: str
+    capacity_bytes: int
+    #: Concurrent I/Os in flight per driver.
+    io_depth: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.root:
+            raise ConfigError("must not be empty", field="root")
+        _require_positive("capacity_bytes", self.capacity_bytes)
+        _require_positive("io_depth", self.io_depth)
+
+
+class NamespacePolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How one namespace's chunks are kept: eviction policy, quotas and write policy."""
+
+    #: A name registered in the ``tiered_kv.policies`` group.
+    policy: str = "lru"
+    #: Chunks this namespace keeps per tier even under other namespaces' pressure.
+    quota_chunks: dict[str, int] = msgspec.field(default_factory=dict)
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    selective_hits: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.policy:
+            raise ConfigError("must not be empty", field="policy")
+        for tier, quota in self.quota_chunks.items():
+            _require_positive(f"quota_chunks.{tier}", quota)
+        _require_positive("selective_hits", self.selective_hits)
+
+
+class TieredKVConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Tiers and per-namespace policies of one :class:`TieredKV`."""
+
+    cpu: CpuTierConfig
+    nvme: NvmeTierConfig | None = None
+    default_policy: NamespacePolicyConfig = msgspec.field(default_factory=NamespacePolicyConfig)
+    #: Per-namespace overrides, keyed by model id.
+    namespaces: dict[str, NamespacePolicyConfig] = msgspec.field(default_factory=dict)
+
+    def policy_for(self, model_id: str) -> NamespacePolicyConfig:
+        return self.namespaces.get(model_id, self.default_policy)
+
+
+_AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_UNKNOWN = re.compile(r"unknown field `(?P<name>[^`]+)`")
+
+
+def _field_path(exc: msgspec.ValidationError) -> tuple[str, str | None]:
+    """The message and dotted field path of a msgspec validation error.
+
+    msgspec reports ``"... - at `$.a.b`"``; a field rejected by a ``__post_init__`` check
+    arrives as the ConfigError it raised, which names the field inside that record.
+    """
+    message = str(exc)
+    match = _AT.search(message)
+    parts = [match.group("path").lstrip(".")] if match else []
+    message = message[: match.start()] if match else message
+    inner = exc.__cause__
+    unknown = _UNKNOWN.search(message)
+    if isinstance(inner, ConfigError):
+        parts.append(inner.field or "")
+        message = inner.args[0].removeprefix(f"[{inner.field}] ")
+    elif unknown:
+        parts.append(unknown.group("name"))
+    path = ".".join(part for part in parts if part)
+    return message, path or None
+
+
+def load_config(path: str | Path, type: type[T] = TieredKVConfig) -> T:  # type: ignore[assignment]
+    """Load ``type`` from a ``.toml`` or ``.json`` file, naming the bad field on error."""
+    source = str(path)
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise ConfigError(f"unsupported config format {suffix!r}; use .toml or .json", source=source)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", source=source) from exc
+    decode = msgspec.toml.decode if suffix == ".toml" else msgspec.json.decode
+    try:
+        return decode(data, type=type)
+    except msgspec.ValidationError as exc:
+        message, field = _field_path(exc)
+        raise ConfigError(message, field=field, source=source) from exc
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"not valid {suffix[1:].upper()}: {exc}", source=source) from exc

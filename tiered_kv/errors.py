@@ -1,0 +1,53 @@
+"""One small exception tree for everything tiered-kv raises on purpose.
+
+Native errors (``OSError``, CUDA, msgspec) are wrapped at the boundary where they occur
+with ``raise ... from exc``. A cache miss is a return value, never an exception, and
+``asyncio.CancelledError`` is never caught and turned into one of these.
+"""
+
+from __future__ import annotations
+
+
+class TieredKVError(Exception):
+    """Base of every error tiered-kv raises on purpose."""
+
+
+class ConfigError(TieredKVError, ValueError):
+    """A configuration value is invalid; names the field and, when loaded, the file."""
+
+    def __init__(self, message: str, *, field: str | None = None, source: str | None = None):
+        self.field = field
+        self.source = source
+        where = " ".join(part for part in (source and f"{source}:", field and f"[{field}]") if part)
+        super().__init__(f"{where} {message}" if where else message)
+
+
+class GeometryError(ConfigError):
+    """The KV geometry (sizes, dtype, attention groups) is not one tiered-kv can store."""
+
+
+class NamespaceError(ConfigError):
+    """A namespace field is invalid."""
+
+
+class SpanError(TieredKVError, ValueError):
+    """A sliding-window block span is out of bounds or its geometry is invalid.
+
+    The manager turns this into a miss for the load that carried it; the engine keeps
+    running.
+    """
+
+
+class ChunkKeyError(TieredKVError, ValueError):
+    """Token ids or engine block hashes cannot be turned into chunk keys."""
+
+
+class UnknownPluginError(TieredKVError, LookupError):
+    """No tier driver or cache policy is registered under the requested name."""
+
+    def __init__(self, kind: str, name: str, available: list[str]):
+        self.kind = kind
+        self.name = name
+        self.available = available
+        listing = ", ".join(available) if available else "none"
+        super().__init__(f"unknown {kind} {name!r}; available: {listing}")

@@ -1,0 +1,53 @@
+"""Find tier drivers and cache policies by name.
+
+The core never imports a concrete driver or policy. Plug-ins are found through the entry
+point groups ``tiered_kv.tiers`` and ``tiered_kv.policies`` (the packages ``tiers`` and
+``policies`` of this distribution register there too), plus anything registered at run
+time with :meth:`Registry.register` (tests, embedding code).
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint, entry_points
+from typing import Generic, TypeVar
+
+from tiered_kv.errors import UnknownPluginError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Name → plug-in, from run-time registrations first, then entry points."""
+
+    def __init__(self, group: str, kind: str) -> None:
+        self.group = group
+        self.kind = kind
+        self._registered: dict[str, T] = {}
+
+    def register(self, name: str, plugin: T) -> None:
+        """Make ``plugin`` available under ``name``, shadowing an entry point of that name."""
+        self._registered[name] = plugin
+
+    def unregister(self, name: str) -> None:
+        self._registered.pop(name, None)
+
+    def _entry_points(self) -> dict[str, EntryPoint]:
+        return {ep.name: ep for ep in entry_points(group=self.group)}
+
+    def names(self) -> list[str]:
+        """Every name that :meth:`get` resolves, sorted."""
+        return sorted(set(self._registered) | set(self._entry_points()))
+
+    def get(self, name: str) -> T:
+        """The plug-in registered as ``name``; :class:`UnknownPluginError` lists the others."""
+        if name in self._registered:
+            return self._registered[name]
+        found = self._entry_points().get(name)
+        if found is None:
+            raise UnknownPluginError(self.kind, name, self.names())
+        plugin: T = found.load()
+        return plugin
+
+
+TIERS: Registry[object] = Registry("tiered_kv.tiers", "tier driver")
+POLICIES: Registry[object] = Registry("tiered_kv.policies", "cache policy")
