@@ -51,3 +51,31 @@ class UnknownPluginError(TieredKVError, LookupError):
         self.available = available
         listing = ", ".join(available) if available else "none"
         super().__init__(f"unknown {kind} {name!r}; available: {listing}")
+
+
+class TierError(TieredKVError):
+    """A tier driver could not move bytes; the chunk involved is a miss, never served."""
+
+    def __init__(self, message: str, *, tier: str):
+        self.tier = tier
+        super().__init__(f"{tier}: {message}")
+
+
+class TierIOError(TierError):
+    """The medium failed (an ``OSError`` or a CUDA error, kept as ``__cause__``)."""
+
+
+class TierFullError(TierError):
+    """The medium has no room left (for example ``ENOSPC`` on the nvme tier)."""
+
+
+class CorruptChunk(TierError):
+    """Stored bytes failed verification (header, namespace, key, length or checksum)."""
+
+
+class TierClosedError(TierError):
+    """The driver was used after :meth:`close`."""
+
+
+class PolicyError(TieredKVError, ValueError):
+    """A cache policy was used against its contract (unknown key, duplicate insert)."""

@@ -1,0 +1,102 @@
+"""The protocols the core speaks: tier drivers (data plane) and cache policies (decisions).
+
+Drivers move bytes and never decide what to keep; policies order keys and own no bytes.
+Both are found by name through :mod:`tiered_kv.registry` and prove themselves with the
+shipped contract suites in :mod:`tiered_kv.testing`.
+
+Host buffers are 1-D, contiguous ``torch.uint8`` CPU tensors, usually zero-copy views of
+a cpu-tier slot. A chunk's bytes in a host buffer are laid out *tensor-major*: for each of
+the group's KV tensors (in the order the engine registered them), the chunk's blocks in
+order, each block's slice of that tensor contiguous. A run of blocks inside a chunk is
+therefore one contiguous range per tensor, which is what lets a sliding-window load copy
+a sub-range of a chunk without touching the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import msgspec
+import torch
+
+from tiered_kv.keys import ChunkKey
+
+
+class TransferOp(msgspec.Struct, frozen=True, kw_only=True):
+    """One chunk's worth of bytes to move between a tier and a host buffer."""
+
+    #: Host buffer (uint8, contiguous, CPU): the source of a write, the sink of a read.
+    buffer: torch.Tensor
+    #: The chunk's key; the nvme tier stores it in the slot header and verifies it on read.
+    key: ChunkKey = b""
+    #: Slot index in the tier (cpu, nvme). Unused by the gpu tier.
+    slot: int = -1
+    #: gpu tier only: the engine's block ids, in chunk order, starting at ``first_block``.
+    blocks: tuple[int, ...] = ()
+    #: gpu tier only: position of ``blocks[0]`` inside the chunk (sliding-window loads).
+    first_block: int = 0
+
+
+class TierStats(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    slot_bytes: int
+    num_slots: int
+    reads: int = 0
+    writes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    errors: int = 0
+
+
+@runtime_checkable
+class TierDriver(Protocol):
+    """Moves chunk bytes between one medium and host buffers.
+
+    ``read`` moves tier → buffers, ``write`` moves buffers → tier (for the gpu tier: read
+    is the store direction, write the load direction). Both take a batch and return when
+    every op's bytes are in place, or raise a :class:`tiered_kv.errors.TierError`
+    subclass. If the awaiting task is cancelled, the method raises ``CancelledError``
+    only after every copy it started has stopped touching the buffers and slots, so the
+    caller may free them at once. A failed or cancelled write leaves the slot holding no
+    chunk that a later read would accept.
+    """
+
+    name: str
+    #: Bytes of one slot (cpu, nvme: one chunk; gpu: one engine block over its tensors).
+    slot_bytes: int
+    num_slots: int
+
+    async def read(self, ops: Sequence[TransferOp]) -> None: ...
+
+    async def write(self, ops: Sequence[TransferOp]) -> None: ...
+
+    def statistics(self) -> TierStats: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class CachePolicy(Protocol):
+    """Orders the keys resident in one tier for one namespace; synchronous and pure.
+
+    The owner calls :meth:`insert` when a chunk becomes resident, :meth:`touch` on a hit,
+    :meth:`remove` when it drops a chunk itself, and :meth:`evict` to choose victims.
+    """
+
+    name: str
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def insert(self, key: ChunkKey) -> None: ...
+
+    def touch(self, key: ChunkKey) -> None: ...
+
+    def remove(self, key: ChunkKey) -> None: ...
+
+    def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
+        """Exactly ``n`` resident keys for which ``protected`` is false, removed from the
+        policy; or ``None``, changing nothing, when there are not ``n`` such keys."""
+        ...
