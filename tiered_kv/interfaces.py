@@ -1,8 +1,9 @@
 """The protocols the core speaks: tier drivers (data plane) and cache policies (decisions).
 
-Drivers move bytes and never decide what to keep; policies order keys and own no bytes.
-Both are found by name through :mod:`tiered_kv.registry` and prove themselves with the
-shipped contract suites in :mod:`tiered_kv.testing`.
+Drivers move bytes and never decide what to keep; policies order keys and own no bytes;
+admission filters say whether a chunk is worth storing at all. All are found by name
+through :mod:`tiered_kv.registry`; policies prove themselves with the shipped contract
+suites in :mod:`tiered_kv.testing`.
 
 Host buffers are 1-D, contiguous ``torch.uint8`` CPU tensors, usually zero-copy views of
 a cpu-tier slot. A chunk's bytes in a host buffer are laid out *tensor-major*: for each of
@@ -14,6 +15,7 @@ a sub-range of a chunk without touching the rest.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -100,3 +102,41 @@ class CachePolicy(Protocol):
         """Exactly ``n`` resident keys for which ``protected`` is false, removed from the
         policy; or ``None``, changing nothing, when there are not ``n`` such keys."""
         ...
+
+
+class CachePolicyFactory(Protocol):
+    """How the core builds a policy found by name: ``cls(capacity, clock=..., rng=...)``.
+
+    ``capacity`` is the number of chunks the tier can hold for this policy; policies size
+    their internal lists and ghost queues from it and keep all bookkeeping bounded by it.
+    Time and randomness are injected so that a policy's decisions are reproducible.
+    """
+
+    def __call__(
+        self, capacity: int, *, clock: Callable[[], float] = ..., rng: random.Random | None = ...
+    ) -> CachePolicy: ...
+
+
+@runtime_checkable
+class AdmissionFilter(Protocol):
+    """Decides whether a chunk is worth storing at all, before any policy orders it.
+
+    A filter sees every chunk the owner could store; turning one-off chunks away keeps
+    them from displacing chunks that will be read again. Its own memory is bounded.
+    """
+
+    name: str
+
+    def admit(self, key: ChunkKey) -> bool:
+        """Record one sighting of ``key``; true when the owner should store it now."""
+        ...
+
+
+class AdmissionFilterFactory(Protocol):
+    """How the core builds a filter found by name: ``cls(capacity, k=...)``.
+
+    ``capacity`` bounds the filter's table (keys it remembers); ``k`` is the number of
+    sightings after which a chunk is admitted.
+    """
+
+    def __call__(self, capacity: int, *, k: int = ...) -> AdmissionFilter: ...

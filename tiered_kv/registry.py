@@ -1,9 +1,11 @@
 """Find tier drivers and cache policies by name.
 
 The core never imports a concrete driver or policy. Plug-ins are found through the entry
-point groups ``tiered_kv.tiers`` and ``tiered_kv.policies`` (the packages ``tiers`` and
-``policies`` of this distribution register there too), plus anything registered at run
-time with :meth:`Registry.register` (tests, embedding code).
+point groups ``tiered_kv.tiers``, ``tiered_kv.policies`` and ``tiered_kv.admission``
+(the packages ``tiers`` and ``policies`` of this distribution register there too), plus
+anything registered at run time with :meth:`Registry.register` (tests, embedding code).
+Admission filters have a group of their own so that every name in ``tiered_kv.policies``
+is a cache policy a namespace can be configured with.
 """
 
 from __future__ import annotations
@@ -51,3 +53,4 @@ class Registry(Generic[T]):
 
 TIERS: Registry[object] = Registry("tiered_kv.tiers", "tier driver")
 POLICIES: Registry[object] = Registry("tiered_kv.policies", "cache policy")
+ADMISSION_FILTERS: Registry[object] = Registry("tiered_kv.admission", "admission filter")
