@@ -1,5 +1,14 @@
 """Cache policies: decide which chunks a tier keeps, per namespace.
 
 Policies depend only on the core's protocols and register through the
-``tiered_kv.policies`` entry point group.
+``tiered_kv.policies`` entry point group (``lru``, ``arc``, ``s3fifo``); the admission
+filter registers in ``tiered_kv.admission`` (``seen_k``). Each passes the shared
+contract suite in :mod:`tiered_kv.testing`.
 """
+
+from policies.admission import SeenK
+from policies.arc import ARC
+from policies.lru import LRU
+from policies.s3fifo import S3FIFO
+
+__all__ = ["ARC", "LRU", "S3FIFO", "SeenK"]

@@ -1,0 +1,27 @@
+"""Argument checks and contract errors shared by the policies in this package."""
+
+from __future__ import annotations
+
+from tiered_kv.errors import PolicyError
+from tiered_kv.keys import ChunkKey
+
+
+def check_capacity(capacity: int) -> int:
+    """``capacity`` if it is a positive chunk count, else :class:`PolicyError`."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        raise PolicyError(f"capacity must be a positive number of chunks, got {capacity!r}")
+    return capacity
+
+
+def check_count(n: int) -> None:
+    """Reject a negative (or non-integer) number of victims."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise PolicyError(f"cannot evict {n!r} keys; n must be a non-negative integer")
+
+
+def duplicate(key: ChunkKey) -> PolicyError:
+    return PolicyError(f"key {key.hex()} is already resident")
+
+
+def missing(key: ChunkKey) -> PolicyError:
+    return PolicyError(f"key {key.hex()} is not resident")

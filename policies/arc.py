@@ -1,0 +1,157 @@
+"""ARC: Adaptive Replacement Cache (Megiddo and Modha, FAST 2003).
+
+Resident keys live in T1 (seen once recently) or T2 (seen at least twice); keys evicted
+from them are remembered in the ghost lists B1 and B2. A ghost hit in B1 says recency
+was undervalued and raises the target size of T1; one in B2 lowers it. Eviction takes
+T1's least recently used key while T1 is above its target, else T2's. The result
+resists one-off scans (they pass through T1 only) and adapts between recency- and
+frequency-friendly workloads without a tuning knob.
+
+Two departures from the paper follow from the owner's protocol. The owner evicts before
+it inserts, so a ghost hit adapts the target on the insert that follows the eviction
+and the victim choice cannot use the incoming key (the paper's tie-break "x in B2 and
+|T1| = p" is dropped). And ghost lists are trimmed on insert of a new key, as in the
+paper's case IV, while eviction only moves victims into them.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+from policies._checks import check_capacity, check_count, duplicate, missing
+from policies.ghost import GhostQueue
+from tiered_kv.keys import ChunkKey
+
+
+def _next_unprotected(keys: Iterator[ChunkKey], protected: Callable[[ChunkKey], bool]) -> ChunkKey | None:
+    for key in keys:
+        if not protected(key):
+            return key
+    return None
+
+
+class ARC:
+    """Adaptive replacement between recency (T1) and frequency (T2), with ghost lists.
+
+    T1 and T2 are ``OrderedDict``s (least recently used first); B1 and B2 are
+    :class:`GhostQueue`s. Resident keys plus ghosts never exceed ``2 * capacity``.
+    ``clock`` and ``rng`` are accepted for the common constructor and unused.
+    """
+
+    name = "arc"
+    __slots__ = ("_b1", "_b2", "_t1", "_t2", "_target", "capacity")
+
+    def __init__(
+        self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
+    ) -> None:
+        self.capacity = check_capacity(capacity)
+        self._t1: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._t2: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._b1 = GhostQueue(capacity)
+        self._b2 = GhostQueue(capacity)
+        self._target = 0.0
+
+    @property
+    def target(self) -> float:
+        """How many resident keys ARC currently wants in T1 (the recency side), 0..capacity."""
+        return self._target
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def __repr__(self) -> str:
+        return (
+            f"<ARC {len(self)}/{self.capacity} t1={len(self._t1)} t2={len(self._t2)}"
+            f" b1={len(self._b1)} b2={len(self._b2)} target={self._target:.1f}>"
+        )
+
+    def insert(self, key: ChunkKey) -> None:
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if key in t1 or key in t2:
+            raise duplicate(key)
+        if b1.discard(key):
+            self._target = min(float(self.capacity), self._target + max(1.0, len(b2) / (len(b1) + 1)))
+            t2[key] = None
+        elif b2.discard(key):
+            self._target = max(0.0, self._target - max(1.0, len(b1) / (len(b2) + 1)))
+            t2[key] = None
+        else:
+            t1[key] = None
+            self._trim_ghosts()
+
+    def _trim_ghosts(self) -> None:
+        """After a new key: keep |T1| + |B1| <= c, else the whole directory <= 2c (case IV)."""
+        t1, b1, b2 = self._t1, self._b1, self._b2
+        if not (b1 or b2):
+            return
+        c = self.capacity
+        over = len(t1) + len(b1) - c
+        if over > 0:
+            for _ in range(min(over, len(b1))):
+                b1.pop_oldest()
+            return
+        over_all = over + len(self._t2) + len(b2) - c  # the whole directory above 2c
+        for _ in range(min(over_all, len(b2))):
+            b2.pop_oldest()
+
+    def touch(self, key: ChunkKey) -> None:
+        t2 = self._t2
+        if key in t2:
+            t2.move_to_end(key)
+            return
+        try:
+            del self._t1[key]
+        except KeyError:
+            raise missing(key) from None
+        t2[key] = None
+
+    def remove(self, key: ChunkKey) -> None:
+        try:
+            del self._t1[key]
+        except KeyError:
+            try:
+                del self._t2[key]
+            except KeyError:
+                raise missing(key) from None
+
+    def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
+        """``n`` unprotected keys by ARC's replacement rule, moved to the ghost lists.
+
+        Victims are chosen by reading T1 and T2 from their old ends, and only then
+        removed, so a failure changes nothing. Costs O(n + p) for p protected keys
+        passed over; a failure has looked at every key.
+        """
+        check_count(n)
+        if n == 0:
+            return []
+        t1, t2 = self._t1, self._t2
+        if n > len(t1) + len(t2):
+            return None
+        old1, old2 = iter(t1), iter(t2)
+        left_in_t1 = len(t1)
+        victims: list[ChunkKey] = []
+        while len(victims) < n:
+            from_t1 = left_in_t1 > 0 and left_in_t1 > self._target
+            key = _next_unprotected(old1 if from_t1 else old2, protected)
+            if key is None:
+                from_t1 = not from_t1
+                key = _next_unprotected(old1 if from_t1 else old2, protected)
+                if key is None:
+                    return None
+            if from_t1:
+                left_in_t1 -= 1
+            victims.append(key)
+        for key in victims:
+            if key in t1:
+                del t1[key]
+                self._b1.add(key)
+            else:
+                del t2[key]
+                self._b2.add(key)
+        return victims

@@ -1,0 +1,290 @@
+"""The contract every :class:`~tiered_kv.interfaces.CachePolicy` passes.
+
+Two parts, both driven through the protocol only:
+
+* :class:`CachePolicyContract`, a pytest mixin of behaviour tests: misuse raises
+  :class:`~tiered_kv.errors.PolicyError`, eviction returns exactly ``n`` unprotected
+  resident keys, and an eviction that cannot be satisfied changes nothing — not even
+  the order of later victims.
+* :func:`policy_state_machine`, a hypothesis state machine that runs random sequences of
+  inserts (making room first when full, as an owner does), touches, removes and
+  evictions with random protected sets against a reference model, the set of resident
+  keys, checking after every step: size never above capacity, protected keys never
+  evicted, all-or-nothing eviction, no key lost or duplicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from tiered_kv.errors import PolicyError
+from tiered_kv.interfaces import CachePolicy
+from tiered_kv.keys import KEY_BYTES, ChunkKey
+
+PolicyMaker = Callable[[int], CachePolicy]
+
+
+def chunk_key(i: int) -> ChunkKey:
+    """A distinct, readable 16-byte key for test number ``i``."""
+    return i.to_bytes(KEY_BYTES, "big")
+
+
+def never(key: ChunkKey) -> bool:
+    """The empty protected set."""
+    return False
+
+
+def drain(policy: CachePolicy) -> list[ChunkKey]:
+    """Evict every key one at a time: the policy's whole eviction order."""
+    order: list[ChunkKey] = []
+    while len(policy):
+        victims = policy.evict(1, never)
+        assert victims is not None and len(victims) == 1, f"{policy!r} refused to evict an unprotected key"
+        order += victims
+    return order
+
+
+class CachePolicyContract:
+    """Behaviour every cache policy shows. Set ``make`` to ``(capacity) -> CachePolicy``."""
+
+    make: ClassVar[PolicyMaker]
+    capacity: ClassVar[int] = 16
+
+    def new(self, capacity: int | None = None) -> CachePolicy:
+        maker: PolicyMaker = type(self).make
+        return maker(self.capacity if capacity is None else capacity)
+
+    def filled(self, count: int | None = None) -> CachePolicy:
+        policy = self.new()
+        for i in range(self.capacity if count is None else count):
+            policy.insert(chunk_key(i))
+        return policy
+
+    def history(self, policy: CachePolicy) -> None:
+        """A mixed past: fill, hits, evictions, a key coming back (a ghost hit), a removal."""
+        keys = [chunk_key(i) for i in range(self.capacity)]
+        for key in keys:
+            policy.insert(key)
+        for key in keys[::3]:
+            policy.touch(key)
+        gone = policy.evict(4, never)
+        assert gone is not None
+        policy.insert(gone[0])
+        policy.insert(chunk_key(1000))
+        policy.remove(keys[1] if keys[1] in policy else gone[0])
+        policy.touch(chunk_key(1000))
+
+    def test_speaks_the_protocol(self) -> None:
+        policy = self.new()
+        assert isinstance(policy, CachePolicy)
+        assert isinstance(policy.name, str) and policy.name
+
+    def test_starts_empty(self) -> None:
+        policy = self.new()
+        assert len(policy) == 0
+        assert chunk_key(0) not in policy
+        assert policy.evict(0, never) == []
+        assert policy.evict(1, never) is None
+
+    def test_inserted_keys_are_resident_and_counted(self) -> None:
+        policy = self.filled(5)
+        assert len(policy) == 5
+        assert all(chunk_key(i) in policy for i in range(5))
+        assert chunk_key(5) not in policy
+
+    def test_inserting_a_resident_key_is_an_error_and_changes_nothing(self) -> None:
+        policy = self.filled(3)
+        with pytest.raises(PolicyError):
+            policy.insert(chunk_key(1))
+        assert len(policy) == 3
+
+    def test_touching_or_removing_an_absent_key_is_an_error(self) -> None:
+        policy = self.filled(3)
+        with pytest.raises(PolicyError):
+            policy.touch(chunk_key(7))
+        with pytest.raises(PolicyError):
+            policy.remove(chunk_key(7))
+        assert len(policy) == 3
+
+    def test_capacity_must_be_positive(self) -> None:
+        for bad in (0, -1):
+            with pytest.raises(PolicyError):
+                self.new(bad)
+
+    def test_a_touched_key_stays_resident(self) -> None:
+        policy = self.filled(4)
+        policy.touch(chunk_key(2))
+        policy.touch(chunk_key(2))
+        assert chunk_key(2) in policy and len(policy) == 4
+
+    def test_a_removed_key_is_gone_and_may_return(self) -> None:
+        policy = self.filled(4)
+        policy.remove(chunk_key(1))
+        assert chunk_key(1) not in policy and len(policy) == 3
+        with pytest.raises(PolicyError):
+            policy.remove(chunk_key(1))
+        policy.insert(chunk_key(1))
+        assert chunk_key(1) in policy and len(policy) == 4
+
+    def test_a_negative_count_is_an_error(self) -> None:
+        policy = self.filled(4)
+        with pytest.raises(PolicyError):
+            policy.evict(-1, never)
+        assert len(policy) == 4
+
+    def test_evict_returns_exactly_n_distinct_resident_keys_and_forgets_them(self) -> None:
+        policy = self.new()
+        self.history(policy)
+        before = {chunk_key(i) for i in [*range(self.capacity), 1000] if chunk_key(i) in policy}
+        victims = policy.evict(3, never)
+        assert victims is not None and len(victims) == 3 and len(set(victims)) == 3
+        assert set(victims) <= before
+        assert all(key not in policy for key in victims)
+        assert len(policy) == len(before) - 3
+
+    def test_evict_never_returns_a_protected_key(self) -> None:
+        policy = self.filled()
+        keep = {chunk_key(i) for i in range(0, self.capacity, 2)}
+        victims = policy.evict(self.capacity // 2, keep.__contains__)
+        assert victims is not None and set(victims) == {chunk_key(i) for i in range(1, self.capacity, 2)}
+        assert all(key in policy for key in keep)
+        assert policy.evict(1, keep.__contains__) is None
+
+    def test_an_eviction_that_cannot_be_satisfied_changes_nothing(self) -> None:
+        failed, untouched = self.new(), self.new()
+        self.history(failed)
+        self.history(untouched)
+        resident = [key for key in map(chunk_key, [*range(self.capacity), 1000]) if key in failed]
+        free = set(resident[-2:])
+        assert failed.evict(3, lambda key: key not in free) is None
+        assert failed.evict(len(resident) + 1, never) is None
+        assert len(failed) == len(untouched) == len(resident)
+        # Same later history, same outcome: the failed calls left no trace in the order or the ghosts.
+        for policy in (failed, untouched):
+            for key in resident[:2]:
+                policy.touch(key)
+        assert drain(failed) == drain(untouched)
+        for policy in (failed, untouched):
+            for key in resident:
+                policy.insert(key)
+        assert drain(failed) == drain(untouched)
+
+    def test_evicting_everything_empties_it_and_it_fills_again(self) -> None:
+        policy = self.filled()
+        victims = policy.evict(self.capacity, never)
+        assert victims is not None and set(victims) == {chunk_key(i) for i in range(self.capacity)}
+        assert len(policy) == 0
+        for i in range(self.capacity):
+            policy.insert(chunk_key(i))
+        assert len(policy) == self.capacity
+
+    def test_the_same_operations_choose_the_same_victims(self) -> None:
+        one, two = self.new(), self.new()
+        self.history(one)
+        self.history(two)
+        assert drain(one) == drain(two)
+
+    def test_churn_at_capacity_keeps_every_count_right(self) -> None:
+        policy = self.new()
+        resident: set[ChunkKey] = set()
+        for step in range(20 * self.capacity):
+            key = chunk_key(step % (3 * self.capacity))  # keys come back: ghosts and hits
+            if key in resident:
+                policy.touch(key)
+                continue
+            if len(resident) == self.capacity:
+                victims = policy.evict(1, never)
+                assert victims is not None and victims[0] in resident
+                resident.discard(victims[0])
+            policy.insert(key)
+            resident.add(key)
+            assert len(policy) == len(resident)
+        assert set(drain(policy)) == resident
+
+
+def _raises_policy_error(call: Callable[..., Any], *args: Any) -> None:
+    try:
+        call(*args)
+    except PolicyError:
+        return
+    raise AssertionError(f"{call.__qualname__}{args!r} did not raise PolicyError")
+
+
+def policy_state_machine(
+    make: PolicyMaker,
+    *,
+    capacity: int = 8,
+    key_space: int = 24,
+    max_examples: int = 60,
+    steps: int = 50,
+) -> type[RuleBasedStateMachine]:
+    """A state machine checking ``make(capacity)`` against a model of its resident keys.
+
+    Use its ``TestCase`` as a test class. Keys come from a pool of ``key_space`` so that
+    evicted keys return (exercising ghosts and hit counters).
+    """
+    pool = [chunk_key(i) for i in range(key_space)]
+    keys = st.sampled_from(pool)
+
+    class PolicyMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.policy = make(capacity)
+            self.model: set[ChunkKey] = set()
+
+        @rule(key=keys)
+        def insert(self, key: ChunkKey) -> None:
+            if key in self.model:
+                _raises_policy_error(self.policy.insert, key)
+                return
+            if len(self.model) == capacity:  # an owner makes room before it stores
+                victims = self.policy.evict(1, never)
+                assert victims is not None and len(victims) == 1 and victims[0] in self.model
+                self.model.discard(victims[0])
+            self.policy.insert(key)
+            self.model.add(key)
+
+        @rule(key=keys)
+        def touch(self, key: ChunkKey) -> None:
+            if key in self.model:
+                self.policy.touch(key)
+            else:
+                _raises_policy_error(self.policy.touch, key)
+
+        @rule(key=keys)
+        def remove(self, key: ChunkKey) -> None:
+            if key in self.model:
+                self.policy.remove(key)
+                self.model.discard(key)
+            else:
+                _raises_policy_error(self.policy.remove, key)
+
+        @rule(n=st.integers(0, capacity + 2), protected=st.frozensets(keys))
+        def evict(self, n: int, protected: frozenset[ChunkKey]) -> None:
+            candidates = self.model - protected
+            victims = self.policy.evict(n, protected.__contains__)
+            if len(candidates) < n:
+                assert victims is None, f"evicted {victims} though only {len(candidates)} keys were unprotected"
+                return  # all-or-nothing: the invariant checks that nothing changed
+            assert victims is not None, f"refused {n} victims among {len(candidates)} unprotected keys"
+            assert len(victims) == n and len(set(victims)) == n, f"victims {victims} are not {n} distinct keys"
+            assert set(victims) <= candidates, f"victims {victims} include protected or absent keys"
+            self.model -= set(victims)
+
+        @rule(n=st.integers(-3, -1))
+        def evict_negative(self, n: int) -> None:
+            _raises_policy_error(self.policy.evict, n, never)
+
+        @invariant()
+        def holds_exactly_the_model(self) -> None:
+            assert len(self.policy) == len(self.model) <= capacity
+            assert {key for key in pool if key in self.policy} == self.model
+
+    PolicyMachine.TestCase.settings = settings(max_examples=max_examples, stateful_step_count=steps, deadline=None)
+    return PolicyMachine
