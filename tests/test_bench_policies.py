@@ -1,0 +1,60 @@
+"""``tiered-kv bench policies`` at a small size: the tables and the JSON document."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tiered_kv.cli import main
+
+SMALL = [
+    "--policy-entries",
+    "3000",
+    "--policy-lookups",
+    "2000",
+    "--policy-cycles",
+    "1000",
+    "--policy-repeats",
+    "1",
+    "--policy-trace-scale",
+    "0.03",
+]
+
+
+def test_bench_policies_reports_hit_rates_and_ops_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "policies", *SMALL, "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "policies: chunk hit rate per trace" in stdout and "3,000 entries" in stdout
+    document = json.loads(out.read_text())
+    assert document["schema"] == 1 and document["errors"] == []
+    hit_rates, ops = document["policies"]["hit_rates"], document["policies"]["ops"]
+    traces = {"chat", "system_prompt", "rag", "scan", "scan_polluted"}
+    assert {row["trace"] for row in hit_rates} == traces
+    assert {row["policy"] for row in hit_rates} == {"arc", "lru", "s3fifo", "lru+seen_k2"}
+    assert len(hit_rates) == len(traces) * 2 * 4  # two capacities by default
+    for row in hit_rates:
+        assert set(row) == {"trace", "capacity_chunks", "policy", "hit_rate"}
+        assert isinstance(row["capacity_chunks"], int) and 0 <= row["hit_rate"] <= 1
+    assert [row["policy"] for row in ops] == ["arc", "lru", "s3fifo"]
+    for row in ops:
+        assert set(row) == {"policy", "entries", "lookups_per_s", "insert_evict_per_s", "bytes_per_entry"}
+        assert row["entries"] == 3000
+        assert row["lookups_per_s"] > 0 and row["insert_evict_per_s"] > 0 and row["bytes_per_entry"] > 16
+
+
+def test_bench_policies_can_name_policies_and_capacities(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["bench", "policies", *SMALL, "--policy-names", "lru", "--policy-capacities", "0.1", "--json", str(out)]
+    assert main(args) == 0
+    document = json.loads(out.read_text())["policies"]
+    assert {row["policy"] for row in document["hit_rates"]} == {"lru", "lru+seen_k2"}
+    assert [row["policy"] for row in document["ops"]] == ["lru"]
+
+
+def test_bad_capacity_fractions_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "policies", "--policy-capacities", "0,2"])
+    assert "fractions must lie in (0, 1]" in capsys.readouterr().err
