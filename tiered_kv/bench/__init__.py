@@ -40,8 +40,9 @@ class BenchSection(Protocol):
 
 def _sections() -> list[BenchSection]:
     from tiered_kv.bench.keys import KeysSection
+    from tiered_kv.bench.overhead import OverheadSection
 
-    return [KeysSection()]
+    return [OverheadSection(), KeysSection()]
 
 
 def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]] = _sections) -> None:
