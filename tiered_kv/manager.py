@@ -47,7 +47,7 @@ from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
-from tiered_kv.registry import POLICIES
+from tiered_kv.registry import POLICIES, TIERS
 from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler
 from tiered_kv.spans import cdiv, span_chunks, validate_window_span, window_span
 from tiered_kv.stats import KVEvent, KVEventKind, Statistics, TierUsage
@@ -65,6 +65,10 @@ class RecoverableTier(TierDriver, Protocol):
     """A persistent tier that knows, after reopening, which chunk each slot holds."""
 
     def recovered(self) -> dict[ChunkKey, int]: ...
+
+    def forget(self, slots: Iterable[int]) -> None:
+        """Stop vouching for what ``slots`` hold (the core dropped those chunks)."""
+        ...
 
 
 class TierFactory(Protocol):
@@ -528,7 +532,7 @@ class TieredKV:
             self._transfer_failed("nvme->cpu", pool, None, exc)
             entry = pool.nvme_index.get(key)
             if isinstance(exc, CorruptChunk) and entry is not None and not entry.pins:
-                pool.nvme_index.drop(key)
+                self._drop_nvme(pool, [key])
                 self._emit(pool, KVEventKind.REMOVED, "nvme", key)
             return False
         except BaseException:
@@ -711,13 +715,11 @@ class TieredKV:
             try:
                 await pool.nvme.write(ops)
             except TierError as exc:
-                for key in keys:
-                    pool.nvme_index.drop(key)
+                self._drop_nvme(pool, keys)
                 self._transfer_failed("cpu->nvme", pool, None, exc)
                 return
             except BaseException:
-                for key in keys:
-                    pool.nvme_index.drop(key)
+                self._drop_nvme(pool, keys)
                 raise
             finally:
                 for key in keys:
@@ -744,13 +746,11 @@ class TieredKV:
         try:
             await pool.nvme.write(ops)
         except TierError as exc:
-            for key, _ in victims:
-                pool.nvme_index.drop(key)
+            self._drop_nvme(pool, [key for key, _ in victims])
             self._transfer_failed("cpu->nvme", pool, None, exc)
             return
         except BaseException:
-            for key, _ in victims:
-                pool.nvme_index.drop(key)
+            self._drop_nvme(pool, [key for key, _ in victims])
             raise
         for key, _ in victims:
             pool.nvme_index.mark_ready(key)
@@ -858,6 +858,12 @@ class TieredKV:
         if evicted:
             log.debug("chunk.evicted", namespace=pool.fingerprint, tier=tier, n_chunks=len(evicted))
 
+    @staticmethod
+    def _drop_nvme(pool: _Pool, keys: list[ChunkKey]) -> None:
+        """Forget nvme chunks whose bytes cannot be trusted (failed write, corrupt read)."""
+        assert pool.nvme is not None and pool.nvme_index is not None
+        pool.nvme.forget([pool.nvme_index.drop(key) for key in keys])
+
     def _transfer_failed(self, path: str, pool: _Pool, request_id: str | None, exc: TierError) -> None:
         log.warning(
             "transfer.failed",
@@ -878,12 +884,18 @@ class RegistryTiers:
     """The default :class:`TierFactory`: the drivers registered as ``gpu``, ``cpu``, ``nvme``."""
 
     def gpu(self, namespace: Namespace, group: int, tensors: Sequence[torch.Tensor]) -> TierDriver:
-        raise NotImplementedError
+        driver: TierDriver = TIERS.get("gpu")(tensors, blocks_per_chunk=namespace.geometry.blocks_per_chunk)  # type: ignore[operator]
+        return driver
 
     def cpu(self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int) -> HostTier:
-        raise NotImplementedError
+        driver: HostTier = TIERS.get("cpu")(slot_bytes, num_slots)  # type: ignore[operator]
+        return driver
 
     async def nvme(
         self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: NvmeTierConfig
     ) -> RecoverableTier:
-        raise NotImplementedError
+        opener = TIERS.get("nvme").open  # type: ignore[attr-defined]
+        driver: RecoverableTier = await opener(
+            config.root, namespace, slot_bytes=slot_bytes, num_slots=num_slots, io_depth=config.io_depth, group=group
+        )
+        return driver

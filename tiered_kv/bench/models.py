@@ -61,9 +61,14 @@ def namespace_from_args(args: argparse.Namespace) -> Namespace:
         ]
         if missing:
             raise SystemExit(f"--model custom needs {', '.join(missing)}")
-        model_id, groups, block = "custom", (_full(args.layers, args.kv_heads, args.head_dim),), 16
+        preset: tuple[str, tuple[KVGroup, ...], int] = (
+            "custom",
+            (_full(args.layers, args.kv_heads, args.head_dim),),
+            16,
+        )
     else:
-        model_id, groups, block = PRESETS[args.model]
+        preset = PRESETS[args.model]
+    model_id, groups, block = preset
     return Namespace(
         model_id=model_id,
         model_revision="bench",

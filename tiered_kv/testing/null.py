@@ -8,7 +8,7 @@ for chosen keys. ``NullTiers`` is a :class:`tiered_kv.manager.TierFactory` of th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -59,6 +59,9 @@ class NullTier:
 
     def recovered(self) -> dict[ChunkKey, int]:
         return {}
+
+    def forget(self, slots: Iterable[int]) -> None:
+        pass
 
     def statistics(self) -> TierStats:
         return TierStats(
