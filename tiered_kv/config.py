@@ -65,6 +65,10 @@ class NamespacePolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     quota_chunks: dict[str, int] = msgspec.field(default_factory=dict)
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     selective_hits: int = 2
+    #: Bytes of each tier this namespace gets when it is registered; ``None`` takes all
+    #: that earlier registrations left.
+    cpu_bytes: int | None = None
+    nvme_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.policy:
@@ -72,6 +76,9 @@ class NamespacePolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
         for tier, quota in self.quota_chunks.items():
             _require_positive(f"quota_chunks.{tier}", quota)
         _require_positive("selective_hits", self.selective_hits)
+        for name in ("cpu_bytes", "nvme_bytes"):
+            if getattr(self, name) is not None:
+                _require_positive(name, getattr(self, name))
 
 
 class TieredKVConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -79,3 +79,7 @@ class TierClosedError(TierError):
 
 class PolicyError(TieredKVError, ValueError):
     """A cache policy was used against its contract (unknown key, duplicate insert)."""
+
+
+class BusyError(TieredKVError):
+    """A ``*_nowait`` call would have had to wait for room in a bounded queue."""

@@ -40,9 +40,10 @@ class BenchSection(Protocol):
 
 def _sections() -> list[BenchSection]:
     from tiered_kv.bench.keys import KeysSection
+    from tiered_kv.bench.overhead import OverheadSection
     from tiered_kv.bench.policies import PoliciesSection
 
-    return [PoliciesSection(), KeysSection()]
+    return [PoliciesSection(), OverheadSection(), KeysSection()]
 
 
 def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]] = _sections) -> None:

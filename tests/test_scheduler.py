@@ -1,0 +1,156 @@
+"""Scheduler building blocks: priority gate, bounded budget, shared jobs, fatal errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tiered_kv.errors import BusyError, TieredKVError
+from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_waiting_loads_go_before_waiting_stores() -> None:
+    gate = PriorityGate(1)
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def job(name: str, priority: int) -> None:
+        async with gate.hold(priority):
+            order.append(name)
+            if name == "first":
+                await release.wait()
+
+    first = asyncio.ensure_future(job("first", STORE_PRIORITY))
+    await settle()
+    waiting = [
+        asyncio.ensure_future(job("store-1", STORE_PRIORITY)),
+        asyncio.ensure_future(job("store-2", STORE_PRIORITY)),
+        asyncio.ensure_future(job("load", LOAD_PRIORITY)),
+    ]
+    await settle()
+    release.set()
+    await asyncio.gather(first, *waiting)
+    assert order == ["first", "load", "store-1", "store-2"]
+    assert gate.holders == 0
+
+
+async def test_a_cancelled_waiter_does_not_leak_its_place() -> None:
+    gate = PriorityGate(1)
+    release = asyncio.Event()
+
+    async def holder() -> None:
+        async with gate.hold(STORE_PRIORITY):
+            await release.wait()
+
+    held = asyncio.ensure_future(holder())
+    await settle()
+    waiter = asyncio.ensure_future(gate.hold(LOAD_PRIORITY).__aenter__())
+    await settle()
+    waiter.cancel()
+    release.set()
+    await held
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert gate.holders == 0
+    async with gate.hold(LOAD_PRIORITY):
+        assert gate.holders == 1
+
+
+async def test_budget_bounds_producers_and_nowait_raises_busy() -> None:
+    budget = Budget(4, "queue")
+    budget.take_nowait(3)
+    with pytest.raises(BusyError, match="queue: 3/4 in use, 2 more requested"):
+        budget.take_nowait(2)
+    waiting = asyncio.ensure_future(budget.take(2))
+    await settle()
+    assert not waiting.done()
+    budget.give(1)
+    await waiting
+    assert budget.used == 4
+    with pytest.raises(TieredKVError):
+        budget.give(5)
+
+
+async def test_budget_admits_an_oversized_request_alone() -> None:
+    budget = Budget(4, "queue")
+    await budget.take(10)
+    assert budget.used == 10
+    budget.give(10)
+
+
+async def test_budget_serves_waiters_first_come_first_served() -> None:
+    budget = Budget(4, "queue")
+    budget.take_nowait(4)
+    big = asyncio.ensure_future(budget.take(4))
+    await settle()
+    with pytest.raises(BusyError):
+        budget.take_nowait(1)  # a small request may not overtake a waiting big one
+    budget.give(4)
+    await big
+
+
+async def test_cancelled_budget_waiter_leaves_no_trace() -> None:
+    budget = Budget(2, "queue")
+    budget.take_nowait(2)
+    waiting = asyncio.ensure_future(budget.take(1))
+    await settle()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    budget.give(2)
+    assert budget.used == 0
+
+
+async def test_shared_job_runs_once_for_every_caller() -> None:
+    scheduler = Scheduler()
+    runs = 0
+
+    async def job() -> int:
+        nonlocal runs
+        runs += 1
+        await asyncio.sleep(0)
+        return 7
+
+    first = scheduler.shared("k", job, name="job")
+    second = scheduler.shared("k", job, name="job")
+    assert first is second and await first == 7 and runs == 1
+    await settle()
+    third = scheduler.shared("k", job, name="job")
+    assert third is not first and await third == 7
+
+
+async def test_fatal_background_error_is_kept_and_raised() -> None:
+    scheduler = Scheduler()
+
+    async def broken() -> None:
+        raise RuntimeError("boom")
+
+    scheduler.spawn(broken(), name="broken")
+    await scheduler.drain()
+    with pytest.raises(TieredKVError, match="boom"):
+        scheduler.check()
+
+
+async def test_close_cancels_background_tasks() -> None:
+    scheduler = Scheduler()
+    cancelled = asyncio.Event()
+
+    async def forever() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    scheduler.spawn(forever(), name="forever")
+    await settle()
+    await scheduler.close()
+    assert cancelled.is_set() and scheduler.background == 0
+    with pytest.raises(TieredKVError, match="closed"):
+        scheduler.spawn(forever(), name="late")

@@ -1,0 +1,901 @@
+"""``TieredKV``: the API an async inference server embeds.
+
+The engine registers each namespace with its GPU KV tensors (one registration per
+tensor-parallel rank), then per request:
+
+* ``lookup`` (sync) — how many leading chunks some tier holds ready;
+* ``await load`` — bring those chunks into the GPU blocks the engine allocated;
+* ``await store`` — submit copies of full chunks out of GPU blocks, without waiting;
+* ``await finish_request`` — returns once no store of the request still reads its GPU
+  blocks, so the engine may free them (deferred finalization); ``flush`` does the same
+  for given blocks before the engine overwrites them (preemption).
+
+Each (namespace fingerprint, KV group) is a *pool*: a cpu slab and an nvme store of
+equal-sized chunk slots with one residency index each. Replicated layouts (MLA) have one
+fingerprint for all ranks, so all ranks share one copy of every chunk.
+
+Every decision (which slots, which victims) is made synchronously on the residency
+indexes; only copies are awaited, and every exit path — failure or cancellation — rolls
+the indexes back before re-raising, so they are consistent at every ``await``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import msgspec
+import torch
+from structlog.contextvars import bound_contextvars
+
+from tiered_kv.config import NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
+from tiered_kv.directory import Reservation, TierIndex
+from tiered_kv.errors import (
+    ConfigError,
+    CorruptChunk,
+    SpanError,
+    TieredKVError,
+    TierError,
+)
+from tiered_kv.interfaces import CachePolicy, TierDriver, TransferOp
+from tiered_kv.keys import ChunkKey
+from tiered_kv.layout import AttentionKind
+from tiered_kv.log import get_logger
+from tiered_kv.namespace import Namespace
+from tiered_kv.registry import POLICIES, TIERS
+from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler
+from tiered_kv.spans import cdiv, span_chunks, validate_window_span, window_span
+from tiered_kv.stats import KVEvent, KVEventKind, Statistics, TierUsage
+
+log = get_logger("manager")
+
+
+class HostTier(TierDriver, Protocol):
+    """A tier whose slots are host memory the other drivers copy into and out of."""
+
+    def view(self, slot: int) -> torch.Tensor: ...
+
+
+class RecoverableTier(TierDriver, Protocol):
+    """A persistent tier that knows, after reopening, which chunk each slot holds."""
+
+    def recovered(self) -> dict[ChunkKey, int]: ...
+
+    def forget(self, slots: Iterable[int]) -> None:
+        """Stop vouching for what ``slots`` hold (the core dropped those chunks)."""
+        ...
+
+
+class TierFactory(Protocol):
+    """Builds the drivers of one pool; injected so tests and benches can swap media."""
+
+    def gpu(self, namespace: Namespace, group: int, tensors: Sequence[torch.Tensor]) -> TierDriver: ...
+
+    def cpu(self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int) -> HostTier: ...
+
+    async def nvme(
+        self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: NvmeTierConfig
+    ) -> RecoverableTier: ...
+
+
+class StoreResult(msgspec.Struct, frozen=True, kw_only=True):
+    #: Chunks whose copies were submitted.
+    submitted: int
+    #: Chunks skipped because some tier already holds (or is writing) them.
+    skipped: int
+    #: True when nothing could be evicted to make room: nothing was submitted or changed.
+    rejected: bool = False
+
+
+class _Pool:
+    """One namespace fingerprint × KV group: a cpu slab, maybe an nvme store, their indexes."""
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        group: int,
+        policy: NamespacePolicyConfig,
+        cpu: HostTier,
+        cpu_index: TierIndex,
+        nvme: RecoverableTier | None,
+        nvme_index: TierIndex | None,
+    ) -> None:
+        self.namespace = namespace
+        self.fingerprint = namespace.fingerprint_hex
+        self.group = group
+        geometry = namespace.geometry
+        self.kind = geometry.groups[group].kind
+        self.window = geometry.groups[group].window
+        self.block_size = geometry.block_size
+        self.chunk_size = geometry.chunk_size
+        self.blocks_per_chunk = geometry.blocks_per_chunk
+        self.chunk_bytes = geometry.chunk_bytes(group)
+        self.policy = policy
+        self.cpu = cpu
+        self.cpu_index = cpu_index
+        self.nvme = nvme
+        self.nvme_index = nvme_index
+        self.gpus: dict[int, TierDriver] = {}
+
+    def ready_anywhere(self, key: ChunkKey) -> bool:
+        return self.cpu_index.is_ready(key) or (self.nvme_index is not None and self.nvme_index.is_ready(key))
+
+    def resident_anywhere(self, key: ChunkKey) -> bool:
+        return key in self.cpu_index or (self.nvme_index is not None and key in self.nvme_index)
+
+
+class _StoreJob:
+    """Chunks of one store call being copied out of one rank's GPU blocks."""
+
+    def __init__(self, pool: _Pool, rank: int, request_id: str, chunks: list[tuple[ChunkKey, tuple[int, ...]]]):
+        self.pool = pool
+        self.rank = rank
+        self.request_id = request_id
+        self.chunks = chunks
+        self.blocks = frozenset(block for _, blocks in chunks for block in blocks)
+        #: Resolved once no copy of this job reads GPU blocks any more (done, failed or cancelled).
+        self.gpu_released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _LoadPlan:
+    """One group's part of a load: chunk keys in order and where each lands on the GPU."""
+
+    pool: _Pool
+    keys: list[ChunkKey]
+    blocks: list[tuple[int, ...]]
+    first_blocks: list[int]
+
+
+class TieredKV:
+    """Tiered KV-cache offloading for one engine process; use as ``async with``."""
+
+    def __init__(
+        self,
+        config: TieredKVConfig,
+        *,
+        tiers: TierFactory | None = None,
+        max_store_chunks: int = 4096,
+        max_write_behind_chunks: int = 4096,
+        copy_concurrency: int = 2,
+        max_events: int = 65536,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.config = config
+        self._tiers: TierFactory = tiers if tiers is not None else RegistryTiers()
+        self._clock = clock
+        self._pools: dict[tuple[str, int], _Pool] = {}
+        self._cpu_left = config.cpu.capacity_bytes
+        self._nvme_left = config.nvme.capacity_bytes if config.nvme else 0
+        self._scheduler = Scheduler()
+        self._gate = PriorityGate(copy_concurrency)
+        self._store_budget = Budget(max_store_chunks, "store queue (chunks)")
+        self._write_behind_budget = Budget(max_write_behind_chunks, "nvme write-behind queue (chunks)")
+        self._jobs: set[_StoreJob] = set()
+        self._events: collections.deque[KVEvent] = collections.deque(maxlen=max_events)
+        self._events_dropped = 0
+        self._hits: collections.Counter[str] = collections.Counter()
+        self._misses = 0
+        self._bytes: collections.Counter[str] = collections.Counter()
+        self._rejected: collections.Counter[str] = collections.Counter()
+        self._stores_rejected = 0
+        self._loads_in_flight = 0
+        self._closed = False
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def __aenter__(self) -> TieredKV:
+        self._started = True
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        await self.close(drain=exc_type is None)
+
+    async def close(self, *, drain: bool = True) -> None:
+        """Finish (or, with ``drain=False``, cancel) background copies, then close every
+        driver. Raises the first fatal background error, if one happened."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if drain:
+                await self._scheduler.drain()
+        finally:
+            await self._scheduler.close()
+            drivers: list[TierDriver] = []
+            for pool in self._pools.values():
+                drivers += [*pool.gpus.values(), pool.cpu] + ([pool.nvme] if pool.nvme else [])
+            for driver in dict.fromkeys(drivers):
+                await driver.close()
+        self._scheduler.check()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise TieredKVError("TieredKV is closed")
+        self._scheduler.check()
+
+    def __repr__(self) -> str:
+        cpu = sum(p.cpu_index.used for p in self._pools.values())
+        cpu_cap = sum(p.cpu_index.num_slots for p in self._pools.values())
+        nvme = sum(p.nvme_index.used for p in self._pools.values() if p.nvme_index is not None)
+        nvme_cap = sum(p.nvme_index.num_slots for p in self._pools.values() if p.nvme_index is not None)
+        return (
+            f"<TieredKV cpu={cpu}/{cpu_cap} nvme={nvme}/{nvme_cap} inflight={len(self._jobs) + self._loads_in_flight}>"
+        )
+
+    # -- registration ------------------------------------------------------------------
+    async def register(self, namespace: Namespace, kv_caches: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Attach one rank's GPU KV tensors, one list per KV group (each ``[num_blocks, …]``).
+
+        The first registration of a namespace fingerprint creates its pools, taking
+        ``cpu_bytes``/``nvme_bytes`` of its namespace config (default: all capacity left);
+        a replicated namespace's other ranks join the same pools.
+        """
+        self._check()
+        geometry = namespace.geometry
+        if len(kv_caches) != len(geometry.groups):
+            raise ConfigError(f"{len(kv_caches)} tensor lists for {len(geometry.groups)} KV groups", field="kv_caches")
+        fingerprint = namespace.fingerprint_hex
+        if (fingerprint, 0) not in self._pools:
+            await self._open_pools(namespace)
+        for group, tensors in enumerate(kv_caches):
+            pool = self._pools[(fingerprint, group)]
+            if namespace.tp_rank in pool.gpus:
+                raise ConfigError(f"rank {namespace.tp_rank} of {namespace.model_id} is already registered")
+            pool.gpus[namespace.tp_rank] = self._tiers.gpu(namespace, group, tensors)
+        log.info("namespace.registered", namespace=fingerprint, model=namespace.model_id, rank=namespace.tp_rank)
+
+    async def _open_pools(self, namespace: Namespace) -> None:
+        policy = self.config.policy_for(namespace.model_id)
+        geometry = namespace.geometry
+        all_groups_bytes = sum(geometry.chunk_bytes(g) for g in range(len(geometry.groups)))
+        cpu_budget = self._take_budget("cpu", policy.cpu_bytes, self._cpu_left)
+        self._cpu_left -= cpu_budget
+        nvme_budget = 0
+        if self.config.nvme is not None:
+            nvme_budget = self._take_budget("nvme", policy.nvme_bytes, self._nvme_left)
+            self._nvme_left -= nvme_budget
+        # Every group holds the same number of chunks: a token chunk is cached in all of them.
+        cpu_slots = cpu_budget // all_groups_bytes
+        nvme_slots = nvme_budget // all_groups_bytes
+        if cpu_slots == 0:
+            raise ConfigError(
+                f"cpu budget {cpu_budget} B cannot hold one chunk of {namespace.model_id} ({all_groups_bytes} B)",
+                field="cpu_bytes",
+            )
+        for group in range(len(geometry.groups)):
+            chunk_bytes = geometry.chunk_bytes(group)
+            make_policy = _policy_factory(policy.policy)
+            cpu = self._tiers.cpu(namespace, group, chunk_bytes, cpu_slots)
+            nvme = nvme_index = None
+            if self.config.nvme is not None and nvme_slots:
+                nvme = await self._tiers.nvme(namespace, group, chunk_bytes, nvme_slots, self.config.nvme)
+                nvme_index = TierIndex("nvme", nvme_slots, make_policy(nvme_slots))
+                for key, slot in nvme.recovered().items():
+                    nvme_index.restore(key, slot)
+            pool = _Pool(
+                namespace, group, policy, cpu, TierIndex("cpu", cpu_slots, make_policy(cpu_slots)), nvme, nvme_index
+            )
+            self._pools[(namespace.fingerprint_hex, group)] = pool
+            log.info(
+                "pool.opened",
+                namespace=pool.fingerprint,
+                group=group,
+                cpu_chunks=cpu_slots,
+                nvme_chunks=nvme_slots,
+                recovered=len(nvme_index) if nvme_index is not None else 0,
+            )
+
+    def _take_budget(self, tier: str, wanted: int | None, left: int) -> int:
+        if wanted is None:
+            return left
+        if wanted > left:
+            raise ConfigError(f"{wanted} B of {tier} requested but only {left} B are unassigned", field=f"{tier}_bytes")
+        return wanted
+
+    def _pools_of(self, namespace: Namespace) -> list[_Pool]:
+        fingerprint = namespace.fingerprint_hex
+        pools = []
+        for group in range(len(namespace.geometry.groups)):
+            pool = self._pools.get((fingerprint, group))
+            if pool is None or namespace.tp_rank not in pool.gpus:
+                raise TieredKVError(f"namespace {namespace.model_id} rank {namespace.tp_rank} is not registered")
+            pools.append(pool)
+        return pools
+
+    # -- lookup ------------------------------------------------------------------------
+    def lookup(self, namespace: Namespace, keys: Sequence[Sequence[ChunkKey]]) -> int:
+        """How many leading chunks can be loaded now: every full-attention (and MLA) group
+        holds chunks ``0 … n−1`` ready and every sliding-window group holds the chunks its
+        window at ``n`` chunks overlaps. A chunk whose store is in flight is not a hit."""
+        self._check()
+        pools = self._pools_of(namespace)
+        if len(keys) != len(pools):
+            raise TieredKVError(f"{len(keys)} key lists for {len(pools)} KV groups")
+        n = min(len(group_keys) for group_keys in keys)
+        windowed = []
+        for pool, group_keys in zip(pools, keys, strict=True):
+            if pool.kind is AttentionKind.SLIDING_WINDOW:
+                windowed.append((pool, group_keys))
+                continue
+            ready = pool.ready_anywhere
+            for i in range(n):
+                if not ready(group_keys[i]):
+                    n = i
+                    break
+        while n and not all(self._window_ready(pool, group_keys, n) for pool, group_keys in windowed):
+            n -= 1
+        self._misses += min(len(group_keys) for group_keys in keys) - n
+        log.debug("lookup.done", namespace=pools[0].fingerprint, n_chunks=n, asked=len(keys[0]))
+        return n
+
+    @staticmethod
+    def _window_ready(pool: _Pool, keys: Sequence[ChunkKey], n_chunks: int) -> bool:
+        assert pool.window is not None
+        span = window_span(n_chunks * pool.chunk_size, pool.window, pool.block_size)
+        chunks = span_chunks(span, block_size=pool.block_size, chunk_size=pool.chunk_size).chunks
+        return all(pool.ready_anywhere(keys[c]) for c in chunks)
+
+    # -- load --------------------------------------------------------------------------
+    async def load(
+        self,
+        namespace: Namespace,
+        *,
+        request_id: str,
+        keys: Sequence[Sequence[ChunkKey]],
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+    ) -> int:
+        """Fill the engine's GPU blocks for the first ``num_tokens`` tokens; tokens loaded.
+
+        ``keys[g]`` are group ``g``'s chunk keys and ``block_ids[g]`` its block table from
+        the prompt's first block. For a sliding-window group, ``block_ids[g]`` holds only
+        the blocks of ``window_span(num_tokens, …)``, in order — the blocks the next token
+        attends to, the first of which may start inside a chunk. ``num_tokens`` need not
+        be chunk-aligned (engines recompute at least the prompt's last token); the last
+        chunk is then copied in part. A span out of bounds is logged as ``load.rejected``
+        and loads nothing. If a chunk cannot be brought in, full-attention groups keep the
+        good prefix before it; a hybrid model loads all or nothing.
+        """
+        self._check()
+        pools = self._pools_of(namespace)
+        started = self._clock()
+        try:
+            if len(keys) != len(pools) or len(block_ids) != len(pools):
+                raise SpanError(f"{len(keys)} key lists and {len(block_ids)} block tables for {len(pools)} KV groups")
+            plans = [self._plan_load(pool, k, b, num_tokens) for pool, k, b in zip(pools, keys, block_ids, strict=True)]
+        except SpanError as exc:
+            self._rejected["span"] += 1
+            log.warning(
+                "load.rejected", namespace=pools[0].fingerprint, request_id=request_id, reason="span", error=str(exc)
+            )
+            return 0
+        log.debug("load.started", namespace=pools[0].fingerprint, request_id=request_id, n_tokens=num_tokens)
+        self._loads_in_flight += 1
+        try:
+            loaded = await self._run_load(namespace.tp_rank, plans, request_id, num_tokens)
+        finally:
+            self._loads_in_flight -= 1
+        if loaded < num_tokens:
+            self._rejected["transfer"] += 1
+        ms = (self._clock() - started) * 1e3
+        log.debug("load.done", namespace=pools[0].fingerprint, request_id=request_id, n_tokens=loaded, ms=ms)
+        return loaded
+
+    def _plan_load(self, pool: _Pool, keys: Sequence[ChunkKey], block_ids: Sequence[int], num_tokens: int) -> _LoadPlan:
+        k, b = pool.blocks_per_chunk, pool.block_size
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise SpanError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
+        if pool.kind is not AttentionKind.SLIDING_WINDOW:
+            span = range(cdiv(num_tokens, b))
+            if len(block_ids) < len(span):
+                raise SpanError(f"{len(block_ids)} GPU blocks given for {num_tokens} tokens ({len(span)} blocks)")
+            pending = list(block_ids[: len(span)])
+        else:
+            assert pool.window is not None
+            validate_window_span(len(block_ids), window=pool.window, block_size=b, chunk_size=pool.chunk_size)
+            span = window_span(num_tokens, pool.window, b)
+            if len(block_ids) != len(span):
+                raise SpanError(
+                    f"{len(block_ids)} pending blocks given but the window span at {num_tokens} tokens is "
+                    f"{len(span)} blocks ({span.start}…{span.stop - 1})"
+                )
+            pending = list(block_ids)
+        mapped = span_chunks(span, block_size=b, chunk_size=pool.chunk_size)
+        if mapped.chunks and mapped.chunks.stop > len(keys):
+            raise SpanError(f"{num_tokens} tokens need {mapped.chunks.stop} chunks but {len(keys)} keys were given")
+        plan_keys, plan_blocks, firsts = [], [], []
+        cursor = 0
+        for i, chunk in enumerate(mapped.chunks):
+            first = mapped.first_block_offset if i == 0 else 0
+            count = min(k - first, len(pending) - cursor)
+            plan_keys.append(keys[chunk])
+            plan_blocks.append(tuple(pending[cursor : cursor + count]))
+            firsts.append(first)
+            cursor += count
+        return _LoadPlan(pool, plan_keys, plan_blocks, firsts)
+
+    async def _run_load(self, rank: int, plans: list[_LoadPlan], request_id: str, num_tokens: int) -> int:
+        """Stage every plan's chunks in cpu, copy what was staged to the GPU; tokens loaded.
+
+        Full-attention groups keep their good prefix; a sliding-window group's chunks are
+        all or nothing, since a partial window is useless to the engine.
+        """
+        pinned: list[tuple[_Pool, ChunkKey]] = []
+        try:
+            pending = [self._start_stage(plan, pinned) for plan in plans]  # every promotion starts now
+            staged = [await self._finish_stage(plan, steps, pinned) for plan, steps in zip(plans, pending, strict=True)]
+            windowed = [plan.pool.kind is AttentionKind.SLIDING_WINDOW for plan in plans]
+            complete = [len(slots) == len(plan.keys) for plan, slots in zip(plans, staged, strict=True)]
+            if any(windowed) and not all(complete):
+                # A window is useless in part, and a window laid out for num_tokens is
+                # wrong for a shorter prefix: a hybrid model loads all or nothing.
+                return 0
+            async with self._gate.hold(LOAD_PRIORITY):
+                for plan, slots in zip(plans, staged, strict=True):
+                    pool = plan.pool
+                    ops = [
+                        TransferOp(buffer=pool.cpu.view(slot), key=key, blocks=blocks, first_block=first)
+                        for slot, key, blocks, first in zip(
+                            slots, plan.keys, plan.blocks, plan.first_blocks, strict=False
+                        )
+                    ]
+                    if not ops:
+                        continue
+                    try:
+                        await pool.gpus[rank].write(ops)
+                    except TierError as exc:
+                        self._transfer_failed("cpu->gpu", pool, request_id, exc)
+                        return 0
+                    block_bytes = pool.chunk_bytes // pool.blocks_per_chunk
+                    self._bytes["cpu->gpu"] += block_bytes * sum(len(op.blocks) for op in ops)
+            good = [
+                len(slots) * plan.pool.chunk_size
+                for plan, slots, is_window in zip(plans, staged, windowed, strict=True)
+                if not is_window
+            ]
+            return min([num_tokens, *good])
+        finally:
+            for pool, key in pinned:
+                pool.cpu_index.unpin(key)
+
+    def _start_stage(
+        self, plan: _LoadPlan, pinned: list[tuple[_Pool, ChunkKey]]
+    ) -> list[tuple[ChunkKey, asyncio.Task[bool] | None]]:
+        """The plan's leading chunks that some tier holds: those in cpu are pinned at once,
+        and a shared nvme → cpu promotion starts for each that only nvme holds."""
+        pool = plan.pool
+        steps: list[tuple[ChunkKey, asyncio.Task[bool] | None]] = []
+        for key in plan.keys:
+            if pool.cpu_index.is_ready(key):
+                pool.cpu_index.pin(key)
+                pinned.append((pool, key))
+                steps.append((key, None))
+            elif pool.nvme_index is not None and pool.nvme_index.is_ready(key):
+                task = self._scheduler.shared(
+                    ("promote", pool.fingerprint, pool.group, key),
+                    functools.partial(self._promote, pool, key),
+                    name=f"promote-{key.hex()[:8]}",
+                )
+                steps.append((key, task))
+            else:
+                break
+        return steps
+
+    async def _finish_stage(
+        self,
+        plan: _LoadPlan,
+        steps: list[tuple[ChunkKey, asyncio.Task[bool] | None]],
+        pinned: list[tuple[_Pool, ChunkKey]],
+    ) -> list[int]:
+        """Wait for the promotions and pin what they brought in; the cpu slots of the
+        leading chunks that are staged, in order."""
+        pool = plan.pool
+        slots: list[int] = []
+        for key, task in steps:
+            if task is not None:
+                if not await asyncio.shield(task) or not pool.cpu_index.is_ready(key):
+                    break  # failed, or evicted between its promotion and now: a miss
+                pool.cpu_index.pin(key)
+                pinned.append((pool, key))
+            entry = pool.cpu_index.get(key)
+            assert entry is not None
+            slots.append(entry.slot)
+            self._hits["nvme" if task is not None else "cpu"] += 1
+            hits = pool.cpu_index.hit(key)
+            if pool.policy.write_policy is WritePolicy.SELECTIVE and hits >= pool.policy.selective_hits:
+                self._write_behind(pool, [key])
+        return slots
+
+    async def _promote(self, pool: _Pool, key: ChunkKey) -> bool:
+        """Read one chunk nvme → cpu (shared by every load that needs it); True when READY."""
+        assert pool.nvme is not None and pool.nvme_index is not None
+        reservation = pool.cpu_index.reserve([key])
+        if reservation is None:
+            log.info("tier.full", tier="cpu", namespace=pool.fingerprint, reason="promotion")
+            return False
+        self._evicted(pool, "cpu", reservation.evicted)
+        slot = reservation.slots[key]
+        nvme_slot = pool.nvme_index.pin(key)
+        try:
+            await self._spill(pool, reservation.evicted)
+            async with self._gate.hold(LOAD_PRIORITY):
+                await pool.nvme.read([TransferOp(buffer=pool.cpu.view(slot), key=key, slot=nvme_slot)])
+        except TierError as exc:
+            pool.nvme_index.unpin(key)
+            pool.cpu_index.drop(key)
+            self._transfer_failed("nvme->cpu", pool, None, exc)
+            entry = pool.nvme_index.get(key)
+            if isinstance(exc, CorruptChunk) and entry is not None and not entry.pins:
+                self._drop_nvme(pool, [key])
+                self._emit(pool, KVEventKind.REMOVED, "nvme", key)
+            return False
+        except BaseException:
+            pool.nvme_index.unpin(key)
+            pool.cpu_index.drop(key)
+            raise
+        pool.nvme_index.unpin(key)
+        pool.nvme_index.hit(key)
+        pool.cpu_index.mark_ready(key)
+        self._bytes["nvme->cpu"] += pool.chunk_bytes
+        self._emit(pool, KVEventKind.STORED, "cpu", key)
+        log.debug("chunk.promoted", namespace=pool.fingerprint, key=key.hex(), src="nvme", dst="cpu")
+        return True
+
+    # -- store -------------------------------------------------------------------------
+    async def store(
+        self,
+        namespace: Namespace,
+        *,
+        request_id: str,
+        keys: Sequence[Sequence[ChunkKey]],
+        block_ids: Sequence[Sequence[int]],
+    ) -> StoreResult:
+        """Submit copies of full chunks out of GPU blocks; waits only for queue room.
+
+        ``block_ids[g]`` is group ``g``'s block table from the prompt's first block; a
+        negative id marks a block the engine no longer holds (a sliding-window group's
+        blocks behind the window), and chunks touching one are skipped.
+        """
+        self._check()
+        bound = sum(len(k) for k in keys)
+        await self._store_budget.take(bound)
+        return self._submit_store(namespace, request_id, keys, block_ids, bound)
+
+    def store_nowait(
+        self,
+        namespace: Namespace,
+        *,
+        request_id: str,
+        keys: Sequence[Sequence[ChunkKey]],
+        block_ids: Sequence[Sequence[int]],
+    ) -> StoreResult:
+        """:meth:`store` that raises :class:`BusyError` instead of waiting for queue room."""
+        self._check()
+        bound = sum(len(k) for k in keys)
+        self._store_budget.take_nowait(bound)
+        return self._submit_store(namespace, request_id, keys, block_ids, bound)
+
+    def _submit_store(
+        self,
+        namespace: Namespace,
+        request_id: str,
+        keys: Sequence[Sequence[ChunkKey]],
+        block_ids: Sequence[Sequence[int]],
+        taken: int,
+    ) -> StoreResult:
+        # Events of this store, in its background tasks too, carry the request and namespace.
+        with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
+            return self._plan_and_spawn_store(namespace, request_id, keys, block_ids, taken)
+
+    def _plan_and_spawn_store(
+        self,
+        namespace: Namespace,
+        request_id: str,
+        keys: Sequence[Sequence[ChunkKey]],
+        block_ids: Sequence[Sequence[int]],
+        taken: int,
+    ) -> StoreResult:
+        try:
+            pools = self._pools_of(namespace)
+            planned: list[tuple[_Pool, list[tuple[ChunkKey, tuple[int, ...]]]]] = []
+            skipped = 0
+            for pool, group_keys, table in zip(pools, keys, block_ids, strict=True):
+                k = pool.blocks_per_chunk
+                chunks = []
+                seen = set()
+                for c, key in enumerate(group_keys):
+                    blocks = tuple(table[c * k : (c + 1) * k])
+                    if len(blocks) < k or min(blocks) < 0 or key in seen or pool.resident_anywhere(key):
+                        skipped += 1
+                        continue
+                    seen.add(key)
+                    chunks.append((key, blocks))
+                planned.append((pool, chunks))
+            reservations: list[tuple[_Pool, Reservation]] = []
+            for pool, chunks in planned:
+                reservation = pool.cpu_index.reserve(key for key, _ in chunks) if chunks else None
+                if chunks and reservation is None:
+                    for done_pool, done in reservations:
+                        for key in done.slots:
+                            done_pool.cpu_index.drop(key)
+                    self._stores_rejected += 1
+                    log.info(
+                        "tier.full", tier="cpu", namespace=pool.fingerprint, request_id=request_id, n_chunks=len(chunks)
+                    )
+                    log.info(
+                        "store.skipped", namespace=pool.fingerprint, request_id=request_id, reason="cannot store now"
+                    )
+                    self._store_budget.give(taken)
+                    return StoreResult(submitted=0, skipped=skipped, rejected=True)
+                if reservation is not None:
+                    reservations.append((pool, reservation))
+        except BaseException:
+            self._store_budget.give(taken)
+            raise
+        submitted = sum(len(chunks) for _, chunks in planned)
+        self._store_budget.give(taken - submitted)
+        for (pool, chunks), (_, reservation) in zip([(p, c) for p, c in planned if c], reservations, strict=True):
+            self._evicted(pool, "cpu", reservation.evicted)
+            job = _StoreJob(pool, namespace.tp_rank, request_id, chunks)
+            self._jobs.add(job)
+            self._scheduler.spawn(
+                self._run_store(job, reservation.slots, reservation.evicted), name=f"store-{request_id}"
+            )
+        if submitted:
+            log.debug("store.submitted", namespace=pools[0].fingerprint, request_id=request_id, n_chunks=submitted)
+        if skipped:
+            log.debug("store.skipped", namespace=pools[0].fingerprint, request_id=request_id, n_chunks=skipped)
+        return StoreResult(submitted=submitted, skipped=skipped)
+
+    async def _run_store(self, job: _StoreJob, slots: dict[ChunkKey, int], evicted: list[tuple[ChunkKey, int]]) -> None:
+        pool = job.pool
+        started = self._clock()
+        try:
+            await self._spill(pool, evicted)
+            ops = [TransferOp(buffer=pool.cpu.view(slots[key]), key=key, blocks=blocks) for key, blocks in job.chunks]
+            async with self._gate.hold(STORE_PRIORITY):
+                await pool.gpus[job.rank].read(ops)
+        except BaseException as exc:
+            for key, _ in job.chunks:
+                pool.cpu_index.drop(key)
+            if not isinstance(exc, TierError):
+                raise
+            self._transfer_failed("gpu->cpu", pool, job.request_id, exc)
+            return
+        finally:
+            # Done, failed or cancelled: no copy reads the engine's blocks any more.
+            job.gpu_released.set_result(None)
+            self._jobs.discard(job)
+            self._store_budget.give(len(job.chunks))
+        for key, _ in job.chunks:
+            pool.cpu_index.mark_ready(key)
+            self._emit(pool, KVEventKind.STORED, "cpu", key)
+        self._bytes["gpu->cpu"] += pool.chunk_bytes * len(job.chunks)
+        ms = (self._clock() - started) * 1e3
+        log.debug("store.done", namespace=pool.fingerprint, request_id=job.request_id, n_chunks=len(job.chunks), ms=ms)
+        if pool.policy.write_policy is WritePolicy.WRITE_THROUGH:
+            self._write_behind(pool, [key for key, _ in job.chunks])
+
+    # -- cpu → nvme --------------------------------------------------------------------
+    def _write_behind(self, pool: _Pool, keys: list[ChunkKey]) -> None:
+        """Copy READY cpu chunks to nvme in the background, if the bounded queue has room."""
+        if pool.nvme is None or self._closed:
+            return
+        keys = [key for key in keys if key not in pool.nvme_index]  # type: ignore[operator]
+        if not keys:
+            return
+        try:
+            self._write_behind_budget.take_nowait(len(keys))
+        except TieredKVError:
+            log.info("store.skipped", tier="nvme", namespace=pool.fingerprint, n_chunks=len(keys), reason="queue full")
+            return
+        self._scheduler.spawn(self._to_nvme(pool, keys), name="write-behind")
+
+    async def _to_nvme(self, pool: _Pool, keys: list[ChunkKey]) -> None:
+        assert pool.nvme is not None and pool.nvme_index is not None
+        try:
+            keys = [k for k in keys if pool.cpu_index.is_ready(k) and k not in pool.nvme_index]
+            if not keys:
+                return
+            reservation = pool.nvme_index.reserve(keys)
+            if reservation is None:
+                log.info("tier.full", tier="nvme", namespace=pool.fingerprint, n_chunks=len(keys))
+                return
+            self._evicted(pool, "nvme", reservation.evicted)
+            ops = [
+                TransferOp(buffer=pool.cpu.view(pool.cpu_index.pin(key)), key=key, slot=reservation.slots[key])
+                for key in keys
+            ]
+            try:
+                await pool.nvme.write(ops)
+            except TierError as exc:
+                self._drop_nvme(pool, keys)
+                self._transfer_failed("cpu->nvme", pool, None, exc)
+                return
+            except BaseException:
+                self._drop_nvme(pool, keys)
+                raise
+            finally:
+                for key in keys:
+                    pool.cpu_index.unpin(key)
+            for key in keys:
+                pool.nvme_index.mark_ready(key)
+                self._emit(pool, KVEventKind.STORED, "nvme", key)
+            self._bytes["cpu->nvme"] += pool.chunk_bytes * len(keys)
+        finally:
+            self._write_behind_budget.give(len(keys))
+
+    async def _spill(self, pool: _Pool, evicted: list[tuple[ChunkKey, int]]) -> None:
+        """Write-back: copy chunks the cpu tier just evicted to nvme before their slots are
+        reused. Their bytes are still in the slots, which now belong to PENDING chunks."""
+        if pool.policy.write_policy is not WritePolicy.WRITE_BACK or pool.nvme is None or not evicted:
+            return
+        assert pool.nvme_index is not None
+        victims = [(key, slot) for key, slot in evicted if key not in pool.nvme_index]
+        reservation = pool.nvme_index.reserve(key for key, _ in victims) if victims else None
+        if reservation is None:
+            return
+        self._evicted(pool, "nvme", reservation.evicted)
+        ops = [TransferOp(buffer=pool.cpu.view(slot), key=key, slot=reservation.slots[key]) for key, slot in victims]
+        try:
+            await pool.nvme.write(ops)
+        except TierError as exc:
+            self._drop_nvme(pool, [key for key, _ in victims])
+            self._transfer_failed("cpu->nvme", pool, None, exc)
+            return
+        except BaseException:
+            self._drop_nvme(pool, [key for key, _ in victims])
+            raise
+        for key, _ in victims:
+            pool.nvme_index.mark_ready(key)
+            self._emit(pool, KVEventKind.STORED, "nvme", key)
+        self._bytes["cpu->nvme"] += pool.chunk_bytes * len(victims)
+
+    # -- request lifecycle -------------------------------------------------------------
+    async def finish_request(self, request_id: str) -> None:
+        """Return once no store of ``request_id`` still reads the request's GPU blocks."""
+        self._check()
+        waiting = [job.gpu_released for job in self._jobs if job.request_id == request_id]
+        if waiting:
+            await asyncio.shield(asyncio.gather(*waiting))
+        self._check()
+
+    def flush_nowait(self, block_ids: Iterable[int] | None = None, *, namespace: Namespace | None = None) -> bool:
+        """True when no store reads any of ``block_ids`` (see :meth:`flush`) now."""
+        self._check()
+        return not self._reading(block_ids, namespace)
+
+    def _reading(self, block_ids: Iterable[int] | None, namespace: Namespace | None) -> list[asyncio.Future[None]]:
+        wanted = None if block_ids is None else frozenset(block_ids)
+        return [
+            job.gpu_released
+            for job in self._jobs
+            if (
+                namespace is None
+                or (job.pool.fingerprint == namespace.fingerprint_hex and job.rank == namespace.tp_rank)
+            )
+            and (wanted is None or not wanted.isdisjoint(job.blocks))
+        ]
+
+    def finish_request_nowait(self, request_id: str) -> bool:
+        """True when the request's GPU blocks may be freed now (no store reads them)."""
+        self._check()
+        return not any(job.request_id == request_id for job in self._jobs)
+
+    async def flush(self, block_ids: Iterable[int] | None = None, *, namespace: Namespace | None = None) -> None:
+        """Return once no store reads any of ``block_ids`` (all blocks when ``None``) of
+        ``namespace``'s rank (every registered rank when ``None``)."""
+        self._check()
+        waiting = self._reading(block_ids, namespace)
+        if waiting:
+            await asyncio.shield(asyncio.gather(*waiting))
+        self._check()
+
+    # -- observation -------------------------------------------------------------------
+    def statistics(self) -> Statistics:
+        tiers = []
+        for name in ("cpu", "nvme"):
+            indexes = [
+                (pool.cpu_index if name == "cpu" else pool.nvme_index, pool.chunk_bytes)
+                for pool in self._pools.values()
+            ]
+            present = [(index, size) for index, size in indexes if index is not None]
+            if not present:
+                continue
+            tiers.append(
+                TierUsage(
+                    tier=name,
+                    capacity_chunks=sum(index.num_slots for index, _ in present),
+                    used_chunks=sum(index.used for index, _ in present),
+                    pinned_chunks=sum(index.pinned for index, _ in present),
+                    capacity_bytes=sum(index.num_slots * size for index, size in present),
+                    used_bytes=sum(index.used * size for index, size in present),
+                )
+            )
+        return Statistics(
+            tiers=tiers,
+            hits=dict(self._hits),
+            misses=self._misses,
+            bytes_moved=dict(self._bytes),
+            queue_depths={
+                "stores": self._store_budget.used,
+                "write_behind": self._write_behind_budget.used,
+                "loads": self._loads_in_flight,
+                "background_tasks": self._scheduler.background,
+            },
+            loads_rejected=dict(self._rejected),
+            stores_rejected=self._stores_rejected,
+            events_dropped=self._events_dropped,
+        )
+
+    def drain_events(self, max_events: int | None = None) -> list[KVEvent]:
+        """Take up to ``max_events`` KV events (all when ``None``), oldest first."""
+        count = len(self._events) if max_events is None else min(max_events, len(self._events))
+        return [self._events.popleft() for _ in range(count)]
+
+    def check_invariants(self) -> None:
+        """Raise if any residency index contradicts itself (for tests and debugging)."""
+        for pool in self._pools.values():
+            pool.cpu_index.check()
+            if pool.nvme_index is not None:
+                pool.nvme_index.check()
+
+    # -- helpers -----------------------------------------------------------------------
+    def _emit(self, pool: _Pool, kind: KVEventKind, tier: str, key: ChunkKey) -> None:
+        if len(self._events) == self._events.maxlen:
+            self._events_dropped += 1
+        self._events.append(KVEvent(kind=kind, tier=tier, namespace=pool.fingerprint, group=pool.group, key=key))
+
+    def _evicted(self, pool: _Pool, tier: str, evicted: list[tuple[ChunkKey, int]]) -> None:
+        for key, _ in evicted:
+            self._emit(pool, KVEventKind.REMOVED, tier, key)
+        if evicted:
+            log.debug("chunk.evicted", namespace=pool.fingerprint, tier=tier, n_chunks=len(evicted))
+
+    @staticmethod
+    def _drop_nvme(pool: _Pool, keys: list[ChunkKey]) -> None:
+        """Forget nvme chunks whose bytes cannot be trusted (failed write, corrupt read)."""
+        assert pool.nvme is not None and pool.nvme_index is not None
+        pool.nvme.forget([pool.nvme_index.drop(key) for key in keys])
+
+    def _transfer_failed(self, path: str, pool: _Pool, request_id: str | None, exc: TierError) -> None:
+        log.warning(
+            "transfer.failed",
+            path=path,
+            namespace=pool.fingerprint,
+            request_id=request_id,
+            error=str(exc),
+            reason=type(exc).__name__,
+        )
+
+
+def _policy_factory(name: str) -> Callable[[int], CachePolicy]:
+    factory: Callable[[int], CachePolicy] = POLICIES.get(name)  # type: ignore[assignment]
+    return factory
+
+
+class RegistryTiers:
+    """The default :class:`TierFactory`: the drivers registered as ``gpu``, ``cpu``, ``nvme``."""
+
+    def gpu(self, namespace: Namespace, group: int, tensors: Sequence[torch.Tensor]) -> TierDriver:
+        driver: TierDriver = TIERS.get("gpu")(tensors, blocks_per_chunk=namespace.geometry.blocks_per_chunk)  # type: ignore[operator]
+        return driver
+
+    def cpu(self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int) -> HostTier:
+        driver: HostTier = TIERS.get("cpu")(slot_bytes, num_slots)  # type: ignore[operator]
+        return driver
+
+    async def nvme(
+        self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: NvmeTierConfig
+    ) -> RecoverableTier:
+        opener = TIERS.get("nvme").open  # type: ignore[attr-defined]
+        driver: RecoverableTier = await opener(
+            config.root, namespace, slot_bytes=slot_bytes, num_slots=num_slots, io_depth=config.io_depth, group=group
+        )
+        return driver

@@ -1,0 +1,203 @@
+"""The asyncio side of tiered-kv: every background task, bound and priority in one place.
+
+* :class:`PriorityGate` limits concurrent copy jobs; waiting loads go before waiting
+  stores, because a load is on some request's time-to-first-token and a store is not.
+* :class:`Budget` bounds how much work producers may submit (backpressure), with a
+  ``*_nowait`` twin that raises :class:`BusyError` instead of waiting.
+* :class:`Scheduler` owns background tasks, shares one in-flight job between callers that
+  need the same thing (two loads of the same chunk from nvme share one read), and keeps
+  the first unexpected error of a background task to raise to the owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import heapq
+import itertools
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from tiered_kv.errors import BusyError, TieredKVError
+from tiered_kv.log import get_logger
+
+T = TypeVar("T")
+log = get_logger("scheduler")
+
+LOAD_PRIORITY = 0
+STORE_PRIORITY = 1
+
+
+class PriorityGate:
+    """At most ``limit`` holders at once; the lowest priority number is admitted first."""
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError(f"limit must be positive, got {limit}")
+        self.limit = limit
+        self.holders = 0
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for *_, fut in self._waiters if not fut.done())
+
+    @asynccontextmanager
+    async def hold(self, priority: int) -> AsyncIterator[None]:
+        await self._acquire(priority)
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _acquire(self, priority: int) -> None:
+        if self.holders < self.limit and not self.waiting:
+            self.holders += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (priority, next(self._seq), fut))
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                # Admitted and cancelled in the same step: hand the place on.
+                self._release()
+            else:
+                fut.cancel()
+            raise
+
+    def _release(self) -> None:
+        self.holders -= 1
+        while self._waiters and self.holders < self.limit:
+            _, _, fut = heapq.heappop(self._waiters)
+            if not fut.done():
+                self.holders += 1
+                fut.set_result(None)
+
+
+class Budget:
+    """A bounded amount (chunks, bytes) that producers take and workers give back.
+
+    Waiters are served first come, first served, so a large request is not starved by a
+    stream of small ones.
+    """
+
+    def __init__(self, limit: int, what: str) -> None:
+        if limit <= 0:
+            raise ValueError(f"limit must be positive, got {limit}")
+        self.limit = limit
+        self.what = what
+        self.used = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    def take_nowait(self, n: int) -> None:
+        """Take ``n`` now or raise :class:`BusyError`. A request larger than the whole
+        budget is admitted alone so that it can never wait forever."""
+        if self._waiters or not self._fits(n):
+            raise BusyError(f"{self.what}: {self.used}/{self.limit} in use, {n} more requested")
+        self.used += n
+
+    async def take(self, n: int) -> None:
+        if not self._waiters and self._fits(n):
+            self.used += n
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, fut))
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.give(n)  # granted and cancelled in the same step
+            else:
+                self._waiters.remove((n, fut))
+                self._wake()
+            raise
+
+    def _fits(self, n: int) -> bool:
+        return self.used + n <= self.limit or self.used == 0
+
+    def give(self, n: int) -> None:
+        if n > self.used:
+            raise TieredKVError(f"{self.what}: gave back {n} but only {self.used} were taken")
+        self.used -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            n, fut = self._waiters.popleft()
+            self.used += n
+            fut.set_result(None)
+
+
+class Scheduler:
+    """Owns background tasks; shares in-flight jobs; remembers the first fatal error."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._shared: dict[Hashable, asyncio.Task[Any]] = {}
+        self.fatal: BaseException | None = None
+        self._closing = False
+
+    @property
+    def background(self) -> int:
+        return len(self._tasks)
+
+    def check(self) -> None:
+        """Raise the first unexpected error a background task hit, if any."""
+        if self.fatal is not None:
+            raise TieredKVError(f"a background task failed: {self.fatal!r}") from self.fatal
+
+    def spawn(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
+        """Run ``coro`` in the background. Expected failures must be handled inside it;
+        anything escaping is a bug, kept as :attr:`fatal` and raised to the owner."""
+        if self._closing:
+            coro.close()
+            raise TieredKVError("the scheduler is closed")
+        task: asyncio.Task[T] = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self.fatal is None:
+            self.fatal = exc
+            log.error("task.failed", task=task.get_name(), error=repr(exc))
+
+    def shared(self, key: Hashable, start: Callable[[], Coroutine[Any, Any, T]], *, name: str) -> asyncio.Task[T]:
+        """The in-flight task for ``key``, started with ``start()`` if there is none.
+
+        Callers await it through ``asyncio.shield`` so that one caller's cancellation does
+        not cancel the job the others wait for.
+        """
+        task = self._shared.get(key)
+        if task is None or task.done():
+            task = self.spawn(start(), name=name)
+            self._shared[key] = task
+            task.add_done_callback(functools.partial(self._forget, key))
+        return task
+
+    def _forget(self, key: Hashable, task: asyncio.Task[Any]) -> None:
+        if self._shared.get(key) is task:
+            del self._shared[key]
+
+    async def drain(self) -> None:
+        """Wait until no background task is left (tasks may spawn others)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def close(self) -> None:
+        """Cancel every background task and wait for each to finish unwinding."""
+        self._closing = True
+        while self._tasks:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,52 @@
+"""What :meth:`TieredKV.statistics` and :meth:`TieredKV.drain_events` return."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class TierUsage(msgspec.Struct, frozen=True, kw_only=True):
+    tier: str
+    capacity_chunks: int
+    used_chunks: int
+    pinned_chunks: int
+    capacity_bytes: int
+    used_bytes: int
+
+
+class Statistics(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of one :class:`TieredKV`; every counter is cumulative since start."""
+
+    tiers: list[TierUsage]
+    #: Chunks served from each tier by loads.
+    hits: dict[str, int]
+    #: Chunks a lookup asked for that no tier held ready.
+    misses: int
+    #: Bytes moved per direction, e.g. ``"gpu->cpu"``.
+    bytes_moved: dict[str, int]
+    #: Chunks whose store is submitted but not yet read from the GPU; loads in flight.
+    queue_depths: dict[str, int]
+    #: Loads turned into misses, by reason (``span``, ``transfer``, ``cancelled``, ...).
+    loads_rejected: dict[str, int]
+    #: Stores refused whole because no tier had room (``cannot store now``).
+    stores_rejected: int
+    #: KV events dropped because nobody drained the bounded event stream.
+    events_dropped: int
+
+
+class KVEventKind(enum.StrEnum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+class KVEvent(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A chunk became ready in, or left, a tier; for routers that track cache residency."""
+
+    kind: KVEventKind
+    tier: str
+    #: The namespace fingerprint (hex).
+    namespace: str
+    group: int
+    key: bytes
