@@ -14,4 +14,4 @@ import structlog
 
 def get_logger(component: str) -> Any:
     """A lazily bound structlog logger tagged with the emitting component."""
-    return structlog.get_logger("tiered_kv").bind(component=component)
+    return structlog.get_logger("tiered_kv", component=component)

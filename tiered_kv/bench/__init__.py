@@ -1,6 +1,6 @@
 """``tiered-kv bench``: measured figures, each against a limit measured in the same run.
 
-A bench is made of sections (``keys`` now; the drivers, policies and manager add theirs).
+A bench is made of sections (``tiers`` and ``keys`` now; the policies and manager add theirs).
 Each section adds its own command-line options, runs, and returns a JSON-able payload
 plus a table for people. A bare ``tiered-kv bench`` runs every section in order; the
 JSON document is ``{"schema": 1, "<section>": payload, ..., "errors": [...]}``.
@@ -40,8 +40,9 @@ class BenchSection(Protocol):
 
 def _sections() -> list[BenchSection]:
     from tiered_kv.bench.keys import KeysSection
+    from tiered_kv.bench.tiers import TiersSection
 
-    return [KeysSection()]
+    return [TiersSection(), KeysSection()]
 
 
 def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]] = _sections) -> None:
