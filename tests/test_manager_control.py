@@ -25,8 +25,8 @@ from tiered_kv import (
 from tiered_kv.errors import BusyError, ConfigError
 from tiered_kv.manager import TieredKV
 from tiered_kv.namespace import Namespace
+from tiered_kv.null import NullTier, NullTiers
 from tiered_kv.stats import KVEventKind
-from tiered_kv.testing.null import NullTier, NullTiers
 
 NS = make_namespace()
 CHUNK = NS.geometry.chunk_bytes()

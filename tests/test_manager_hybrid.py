@@ -21,7 +21,7 @@ from tiered_kv import (
     window_span,
 )
 from tiered_kv.manager import TieredKV
-from tiered_kv.testing.null import NullTiers
+from tiered_kv.null import NullTiers
 
 HYBRID = make_namespace(
     model_id="acme/hybrid-swa",

@@ -1,6 +1,6 @@
 """``tiered-kv bench``: measured figures, each against a limit measured in the same run.
 
-A bench is made of sections (``policies`` and ``keys`` now; the drivers and manager add theirs).
+A bench is made of sections (``tiers``, ``policies``, ``overhead``, ``keys``).
 Each section adds its own command-line options, runs, and returns a JSON-able payload
 plus a table for people. A bare ``tiered-kv bench`` runs every section in order; the
 JSON document is ``{"schema": 1, "<section>": payload, ..., "errors": [...]}``.
@@ -42,8 +42,9 @@ def _sections() -> list[BenchSection]:
     from tiered_kv.bench.keys import KeysSection
     from tiered_kv.bench.overhead import OverheadSection
     from tiered_kv.bench.policies import PoliciesSection
+    from tiered_kv.bench.tiers import TiersSection
 
-    return [PoliciesSection(), OverheadSection(), KeysSection()]
+    return [TiersSection(), PoliciesSection(), OverheadSection(), KeysSection()]
 
 
 def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]] = _sections) -> None:

@@ -1,6 +1,6 @@
 """Bench section ``overhead``: what the control plane costs per chunk, with a null copy.
 
-Drivers that move no bytes (:mod:`tiered_kv.testing.null`) leave only tiered-kv's own
+Drivers that move no bytes (:mod:`tiered_kv.null`) leave only tiered-kv's own
 work: planning, residency indexes, the scheduler's tasks and gates, events. Many
 requests run concurrently, as in a server; the figure is wall time per chunk.
 """
@@ -20,7 +20,7 @@ from tiered_kv.keys import chunk_keys
 from tiered_kv.layout import KVGeometry, KVGroup
 from tiered_kv.manager import TieredKV
 from tiered_kv.namespace import Namespace
-from tiered_kv.testing.null import NullTiers
+from tiered_kv.null import NullTiers
 
 #: The issue's limit for store and load through the whole async path.
 TARGET_US_PER_CHUNK = 20.0

@@ -1,0 +1,44 @@
+"""``tiered-kv bench tiers`` at small sizes: the table and the JSON the issue specifies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tiered_kv.cli import main
+
+
+def test_bench_tiers_reports_each_path_against_its_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    args = ["bench", "tiers", "--chunk-mib", "1", "--tier-mem-mib", "4", "--tier-disk-mib", "8"]
+    code = main([*args, "--tier-repeats", "1", "--io-depth", "2", "--tier-dir", str(tmp_path), "--json", str(out)])
+    assert code == 0
+    assert "tiers: driver throughput" in capsys.readouterr().out
+    document = json.loads(out.read_text())
+    assert document["schema"] == 1 and document["errors"] == []
+    figures = document["tiers"]
+    paths = [(f["path"], f.get("layout")) for f in figures]
+    assert sorted(paths, key=str) == sorted(
+        [
+            ("gpu->cpu", "per-layer"),
+            ("gpu->cpu", "fused"),
+            ("cpu->gpu", "per-layer"),
+            ("cpu->gpu", "fused"),
+            ("cpu->nvme", None),
+            ("nvme->cpu", None),
+        ],
+        key=str,
+    )
+    for figure in figures:
+        assert figure["chunk_bytes"] == 1 << 20
+        assert figure["gbps"] > 0 and figure["limit_gbps"] > 0 and figure["limit"]
+        assert figure["ratio"] == pytest.approx(figure["gbps"] / figure["limit_gbps"], rel=0.01)
+    assert list(tmp_path.iterdir()) == [out], "the bench leaves no disk files behind"
+
+
+def test_a_chunk_size_that_is_not_a_number_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "tiers", "--chunk-mib", "two"])
+    assert "expected MiB sizes" in capsys.readouterr().err

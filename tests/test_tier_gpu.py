@@ -1,0 +1,313 @@
+"""The gpu tier: the contract for every way an engine holds its KV cache, the tensor-major
+chunk layout, sliding-window sub-ranges, cancellation mid-copy, CUDA specifics."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiered_kv.errors import TierIOError
+from tiered_kv.interfaces import TransferOp
+from tiered_kv.testing import TierDriverContract
+from tiers.gpu import GpuTier
+from tiers.pinned_cpu import PinnedCpuTier
+
+BPC = 4  # blocks per chunk
+CHUNKS = 5
+BLOCKS = BPC * CHUNKS + 2  # two blocks no chunk uses
+LAYERS, BLOCK_TOKENS, HEADS, DIM = 3, 2, 2, 8
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+#: How engines hold a KV cache: (tensors, block_dim) for a dtype and device.
+Layout = Callable[[torch.dtype, str], tuple[list[torch.Tensor], int]]
+
+
+def _filled(shape: Sequence[int], dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
+    count = int(torch.tensor(shape).prod()) * dtype.itemsize
+    bits = torch.randint(0, 256, (count,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return bits.view(dtype).view(*shape).to(device)
+
+
+def per_layer(dtype: torch.dtype, device: str) -> tuple[list[torch.Tensor], int]:
+    """K and V of each layer as separate tensors ``[num_blocks, block, heads, dim]``."""
+    shape = (BLOCKS, BLOCK_TOKENS, HEADS, DIM)
+    return [_filled(shape, dtype, device, i) for i in range(2 * LAYERS)], 0
+
+
+def per_layer_kv(dtype: torch.dtype, device: str) -> tuple[list[torch.Tensor], int]:
+    """One tensor per layer, ``[2, num_blocks, block, heads, dim]`` (vLLM's FlashAttention)."""
+    return [_filled((2, BLOCKS, BLOCK_TOKENS, HEADS, DIM), dtype, device, i) for i in range(LAYERS)], 1
+
+
+def fused_blocks_first(dtype: torch.dtype, device: str) -> tuple[list[torch.Tensor], int]:
+    """One tensor, ``[num_blocks, layers, 2, block, heads, dim]``: a block holds every layer."""
+    return [_filled((BLOCKS, LAYERS, 2, BLOCK_TOKENS, HEADS, DIM), dtype, device, 0)], 0
+
+
+def fused_layers_first(dtype: torch.dtype, device: str) -> tuple[list[torch.Tensor], int]:
+    """One tensor, ``[layers, 2, num_blocks, block, heads, dim]``."""
+    return [_filled((LAYERS, 2, BLOCKS, BLOCK_TOKENS, HEADS, DIM), dtype, device, 0)], 2
+
+
+def views_of_one_buffer(dtype: torch.dtype, device: str) -> tuple[list[torch.Tensor], int]:
+    """K and V of each layer as views of one allocation, with a gap after each."""
+    big = _filled((LAYERS, 2, BLOCKS + 1, BLOCK_TOKENS, HEADS, DIM), dtype, device, 0)
+    return [big[layer, kv, :BLOCKS] for layer in range(LAYERS) for kv in range(2)], 0
+
+
+def _chunk_blocks() -> list[tuple[int, ...]]:
+    """Each chunk's engine blocks: runs of two consecutive ids, in shuffled order."""
+    pairs = [(2 * i, 2 * i + 1) for i in range(BLOCKS // 2)]
+    random.Random(0).shuffle(pairs)
+    flat = [b for pair in pairs for b in pair]
+    return [tuple(flat[c * BPC : (c + 1) * BPC]) for c in range(CHUNKS)]
+
+
+CHUNK_BLOCKS = _chunk_blocks()
+
+
+def reference_chunk(tensors: Sequence[torch.Tensor], block_dim: int, blocks: Sequence[int]) -> torch.Tensor:
+    """The tensor-major bytes of ``blocks``: per KV tensor, its slice of each block."""
+    parts = []
+    for tensor in tensors:
+        for index in itertools.product(*map(range, tensor.shape[:block_dim])):
+            for block in blocks:
+                parts.append(tensor[index][block].contiguous().cpu().view(torch.uint8).flatten())
+    return torch.cat(parts)
+
+
+def pieces(tensors: Sequence[torch.Tensor], block_dim: int) -> list[int]:
+    return [t[0].numel() * t.element_size() for t in tensors for t in _split(t, block_dim)]
+
+
+def _split(tensor: torch.Tensor, block_dim: int) -> list[torch.Tensor]:
+    return [tensor[index] for index in itertools.product(*map(range, tensor.shape[:block_dim]))]
+
+
+class GpuContract(TierDriverContract):
+    layout: Layout
+    device = "cpu"
+
+    async def make_tier(self, path: Path, dtype: str) -> GpuTier:
+        tensors, block_dim = type(self).layout(getattr(torch, dtype), self.device)
+        self.pieces = pieces(tensors, block_dim)
+        return GpuTier(tensors, blocks_per_chunk=BPC, block_dim=block_dim)
+
+    def chunk_bytes(self, tier: object) -> int:
+        assert isinstance(tier, GpuTier)
+        return tier.chunk_bytes
+
+    def num_chunks(self, tier: object) -> int:
+        return CHUNKS
+
+    def op(self, tier: object, chunk: int, buffer: torch.Tensor, key: bytes) -> TransferOp:
+        return TransferOp(buffer=buffer, key=key, blocks=CHUNK_BLOCKS[chunk])
+
+    def partial_op(self, tier: object, chunk: int, buffer: torch.Tensor, key: bytes) -> tuple[TransferOp, torch.Tensor]:
+        """Blocks 1 and 2 of the chunk: a run that starts (and ends) inside it."""
+        first, n = 1, 2
+        mask = torch.zeros(buffer.numel(), dtype=torch.bool)
+        offset = 0
+        for piece in self.pieces:
+            mask[offset + first * piece : offset + (first + n) * piece] = True
+            offset += BPC * piece
+        return TransferOp(
+            buffer=buffer, key=key, blocks=CHUNK_BLOCKS[chunk][first : first + n], first_block=first
+        ), mask
+
+
+class TestPerLayer(GpuContract):
+    layout = staticmethod(per_layer)
+
+
+class TestPerLayerKV(GpuContract):
+    layout = staticmethod(per_layer_kv)
+
+
+class TestFusedLayersFirst(GpuContract):
+    layout = staticmethod(fused_layers_first)
+
+
+@pytest.mark.cuda
+@requires_cuda
+class TestPerLayerKVOnCuda(GpuContract):
+    layout = staticmethod(per_layer_kv)
+    device = "cuda"
+
+
+ALL_LAYOUTS = [per_layer, per_layer_kv, fused_blocks_first, fused_layers_first, views_of_one_buffer]
+
+
+@pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=lambda f: f.__name__)
+async def test_a_chunk_is_laid_out_tensor_major(layout: Layout) -> None:
+    tensors, block_dim = layout(torch.bfloat16, "cpu")
+    tier = GpuTier(tensors, blocks_per_chunk=BPC, block_dim=block_dim)
+    buffer = torch.zeros(tier.chunk_bytes, dtype=torch.uint8)
+    await tier.read([TransferOp(buffer=buffer, blocks=CHUNK_BLOCKS[3])])
+    assert torch.equal(buffer, reference_chunk(tensors, block_dim, CHUNK_BLOCKS[3]))
+    await tier.close()
+
+
+@pytest.mark.parametrize(
+    ("layout", "copies"),
+    [
+        (per_layer, 2 * LAYERS),
+        (per_layer_kv, LAYERS),
+        (fused_blocks_first, 1),
+        (fused_layers_first, 1),
+        (views_of_one_buffer, 1),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
+def test_tensors_laid_out_alike_in_one_allocation_share_one_copy_per_run(layout: Layout, copies: int) -> None:
+    tensors, block_dim = layout(torch.float16, "cpu")
+    tier = GpuTier(tensors, blocks_per_chunk=BPC, block_dim=block_dim)
+    assert f"copies_per_run={copies}>" in repr(tier)
+    assert tier.slot_bytes == 2 * LAYERS * BLOCK_TOKENS * HEADS * DIM * 2
+    assert tier.num_slots == BLOCKS
+
+
+async def test_a_sliding_window_load_fills_only_its_blocks() -> None:
+    """A load of blocks 1..3 of a chunk (the window starts inside it) writes exactly those
+    engine blocks, from the matching ranges of every tensor's section."""
+    tensors, block_dim = per_layer_kv(torch.bfloat16, "cpu")
+    before = [t.clone() for t in tensors]
+    tier = GpuTier(tensors, blocks_per_chunk=BPC, block_dim=block_dim)
+    source = torch.randint(0, 256, (tier.chunk_bytes,), dtype=torch.uint8)
+    targets = (7, 12, 13)
+    await tier.write([TransferOp(buffer=source, blocks=targets, first_block=1)])
+    piece = tier.slot_bytes // (2 * LAYERS)
+    for layer, (tensor, old) in enumerate(zip(tensors, before, strict=True)):
+        for kv in range(2):
+            section = source[(2 * layer + kv) * BPC * piece :][: BPC * piece].view(BPC, piece)
+            for block in range(BLOCKS):
+                got = tensor[kv, block].contiguous().view(torch.uint8).flatten()
+                want = (
+                    section[1 + targets.index(block)]
+                    if block in targets
+                    else old[kv, block].view(torch.uint8).flatten()
+                )
+                assert torch.equal(got, want), (layer, kv, block)
+    await tier.close()
+
+
+def test_caches_it_cannot_address_are_refused() -> None:
+    with pytest.raises(ValueError, match="same number of blocks"):
+        GpuTier([torch.zeros(4, 8), torch.zeros(5, 8)], blocks_per_chunk=2)
+    with pytest.raises(ValueError, match="contiguous"):
+        GpuTier([torch.zeros(8, 4).t()], blocks_per_chunk=2)
+    with pytest.raises(ValueError, match="block_dim"):
+        GpuTier([torch.zeros(4)], blocks_per_chunk=2, block_dim=1)
+    with pytest.raises(ValueError):
+        GpuTier([], blocks_per_chunk=2)
+
+
+async def test_ops_that_do_not_fit_a_chunk_are_refused() -> None:
+    tier = GpuTier([torch.zeros(BLOCKS, 16, dtype=torch.uint8)], blocks_per_chunk=BPC)
+    buffer = torch.zeros(tier.chunk_bytes, dtype=torch.uint8)
+    for op in (
+        TransferOp(buffer=buffer, blocks=()),
+        TransferOp(buffer=buffer, blocks=(0, 1), first_block=3),
+        TransferOp(buffer=buffer, blocks=(BLOCKS,)),
+        TransferOp(buffer=buffer[:-1], blocks=(0,)),
+    ):
+        with pytest.raises(ValueError):
+            await tier.read([op])
+    await tier.close()
+
+
+async def test_cancel_waits_until_the_copy_has_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    copying, release = threading.Event(), threading.Event()
+    real = torch._foreach_copy_
+
+    def held(*args: object, **kwargs: object) -> None:
+        copying.set()
+        release.wait(10)
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "_foreach_copy_", held)
+    tensors, block_dim = per_layer(torch.float16, "cpu")
+    tier = GpuTier(tensors, blocks_per_chunk=BPC, block_dim=block_dim)
+    buffer = torch.zeros(tier.chunk_bytes, dtype=torch.uint8)
+    task = asyncio.ensure_future(tier.read([TransferOp(buffer=buffer, blocks=CHUNK_BLOCKS[0])]))
+    await asyncio.to_thread(copying.wait, 10)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done(), "the cancellation went through while a copy still ran"
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert torch.equal(buffer, reference_chunk(tensors, block_dim, CHUNK_BLOCKS[0]))  # the copy did finish
+    monkeypatch.undo()
+    await tier.close()
+
+
+async def test_a_failed_copy_is_a_tier_io_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    tier = GpuTier([torch.zeros(BLOCKS, 64, dtype=torch.uint8)], blocks_per_chunk=BPC)
+    monkeypatch.setattr(torch, "_foreach_copy_", broken)
+    with pytest.raises(TierIOError, match="illegal memory access") as caught:
+        await tier.write([TransferOp(buffer=torch.zeros(tier.chunk_bytes, dtype=torch.uint8), blocks=(0,))])
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert tier.statistics().errors == 1 and tier.statistics().writes == 0
+    monkeypatch.undo()
+    await tier.close()
+
+
+async def test_the_event_loop_stays_responsive_during_a_large_copy() -> None:
+    tier = GpuTier([torch.ones(BLOCKS, 1 << 20, dtype=torch.uint8)], blocks_per_chunk=BPC)
+    buffers = [torch.zeros(tier.chunk_bytes, dtype=torch.uint8) for _ in range(CHUNKS)]
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    beat = asyncio.ensure_future(ticker())
+    for _ in range(3):
+        await tier.read([TransferOp(buffer=b, blocks=CHUNK_BLOCKS[c]) for c, b in enumerate(buffers)])
+    beat.cancel()
+    assert ticks > 3, "the loop was blocked while the copies ran"
+    await tier.close()
+
+
+def cuda_tiers(block_bytes: int) -> tuple[torch.Tensor, GpuTier, PinnedCpuTier]:
+    cache = torch.zeros(BLOCKS, block_bytes, dtype=torch.uint8, device="cuda")
+    tier = GpuTier(cache, blocks_per_chunk=BPC)
+    return cache, tier, PinnedCpuTier(tier.chunk_bytes, 1)
+
+
+@pytest.mark.cuda
+@requires_cuda
+async def test_the_copy_stream_waits_for_the_compute_stream() -> None:
+    """A store issued right after the engine wrote a block on its stream sees that write."""
+    cache, tier, cpu = cuda_tiers(1 << 20)
+    torch.cuda._sleep(50_000_000)  # keep the compute stream busy ...
+    cache[CHUNK_BLOCKS[0][0]].fill_(7)  # ... then the engine's write lands
+    await tier.read([TransferOp(buffer=cpu.view(0), blocks=CHUNK_BLOCKS[0])])
+    assert bool((cpu.view(0)[: 1 << 20] == 7).all())
+    await tier.close()
+    await cpu.close()
+
+
+@pytest.mark.cuda
+@requires_cuda
+async def test_a_load_is_visible_to_the_compute_stream_once_awaited() -> None:
+    cache, tier, cpu = cuda_tiers(1 << 16)
+    cpu.view(0).fill_(9)
+    await tier.write([TransferOp(buffer=cpu.view(0), blocks=CHUNK_BLOCKS[1])])
+    assert int(cache[list(CHUNK_BLOCKS[1])].sum()) == 9 * BPC * (1 << 16)
+    await tier.close()
+    await cpu.close()

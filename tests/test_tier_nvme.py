@@ -1,0 +1,333 @@
+"""The nvme tier: warm restart, verification of every read, typed errors for every
+failure, the buffered fallback, owner-only files."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_namespace
+from structlog.testing import capture_logs
+
+from tiered_kv.errors import CorruptChunk, TierFullError, TierIOError
+from tiered_kv.interfaces import TransferOp
+from tiered_kv.namespace import Namespace
+from tiers.nvme import NvmeTier
+from tiers.nvme_format import HEADER_BYTES
+
+SLOT = 3 * 4096
+SLOTS = 6
+
+
+async def open_store(root: Path, namespace: Namespace | None = None, **options: Any) -> NvmeTier:
+    settings: dict[str, Any] = {"slot_bytes": SLOT, "num_slots": SLOTS, "io_depth": 2} | options
+    return await NvmeTier.open(root, namespace or make_namespace(), **settings)
+
+
+def data(slot: int, version: int = 0, nbytes: int = SLOT) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(slot * 7 + version)
+    )
+
+
+def key(slot: int, version: int = 0) -> bytes:
+    return bytes([slot, version]) * 8
+
+
+def op(slot: int, buffer: torch.Tensor, version: int = 0) -> TransferOp:
+    return TransferOp(buffer=buffer, key=key(slot, version), slot=slot)
+
+
+async def fill(tier: NvmeTier, slots: range | list[int]) -> None:
+    await tier.write([op(s, data(s)) for s in slots])
+
+
+async def read_back(tier: NvmeTier, slot: int, version: int = 0) -> torch.Tensor:
+    out = torch.zeros(SLOT, dtype=torch.uint8)
+    await tier.read([op(slot, out, version)])
+    return out
+
+
+def slots_file(tier: NvmeTier) -> Path:
+    return tier.directory / f"g{tier.group}.slots"
+
+
+def damage(tier: NvmeTier, slot: int, offset: int, replacement: bytes) -> None:
+    """Overwrite bytes of a slot on disk, behind the driver's back."""
+    with slots_file(tier).open("r+b") as f:
+        f.seek(slot * tier.slot_stride + offset)
+        f.write(replacement)
+
+
+async def test_a_reopened_store_serves_every_chunk_it_had(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path)
+    assert tier.direct, "tmp_path is expected on a filesystem with O_DIRECT"
+    await fill(tier, range(SLOTS))
+    await tier.close()
+    with capture_logs() as logs:
+        tier = await open_store(tmp_path)
+    assert tier.recovered() == {key(s): s for s in range(SLOTS)}
+    for s in range(SLOTS):
+        assert torch.equal(await read_back(tier, s), data(s))
+    [event] = [e for e in logs if e["event"] == "nvme.recovered"]
+    assert (event["n_chunks"], event["dropped"]) == (SLOTS, 0)
+    await tier.close()
+
+
+DAMAGES = {
+    "payload byte flipped": (HEADER_BYTES + 5000, b"\xff\x00"),
+    "payload torn at the end": (HEADER_BYTES + SLOT - 4096, bytes(4096)),
+    "header zeroed": (0, bytes(HEADER_BYTES)),
+    "header field flipped": (30, b"\x01"),
+}
+
+
+@pytest.mark.parametrize("where", list(DAMAGES))
+async def test_a_damaged_slot_is_refused_and_dropped_on_reopen(tmp_path: Path, where: str) -> None:
+    tier = await open_store(tmp_path)
+    await fill(tier, range(3))
+    offset, replacement = DAMAGES[where]
+    damage(tier, 1, offset, replacement)
+    with pytest.raises(CorruptChunk):
+        await read_back(tier, 1)
+    assert tier.statistics().errors == 1
+    await tier.close()
+    tier = await open_store(tmp_path)
+    assert tier.recovered() == {key(0): 0, key(2): 2}
+    with pytest.raises(CorruptChunk):
+        await read_back(tier, 1)
+    await tier.close()
+
+
+async def test_a_slot_copied_to_another_place_is_refused(tmp_path: Path) -> None:
+    """A misdirected write: slot 0's header and payload land in slot 2."""
+    tier = await open_store(tmp_path)
+    await fill(tier, range(3))
+    with slots_file(tier).open("r+b") as f:
+        moved = f.read(tier.slot_stride)
+        f.seek(2 * tier.slot_stride)
+        f.write(moved)
+    with pytest.raises(CorruptChunk, match="written for slot 0"):
+        await read_back(tier, 2, version=0)
+    await tier.close()
+    tier = await open_store(tmp_path)
+    assert sorted(tier.recovered().values()) == [0, 1]
+    await tier.close()
+
+
+async def test_recovery_checks_the_last_byte_of_a_large_chunk(tmp_path: Path) -> None:
+    big = (1 << 20) + 3 * 4096  # more than one recovery read
+    tier = await open_store(tmp_path, slot_bytes=big, num_slots=2)
+    await tier.write([op(s, data(s, nbytes=big)) for s in range(2)])
+    damage(tier, 1, HEADER_BYTES + big - 1, b"\x00" if int(data(1, nbytes=big)[-1]) else b"\x01")
+    await tier.close()
+    tier = await open_store(tmp_path, slot_bytes=big, num_slots=2)
+    assert tier.recovered() == {key(0): 0}
+    await tier.close()
+
+
+async def test_another_namespace_never_reads_these_chunks(tmp_path: Path) -> None:
+    mine, theirs = make_namespace(), make_namespace(model_revision="r2")
+    tier = await open_store(tmp_path, mine)
+    await fill(tier, range(2))
+    await tier.close()
+    # Someone moves our files where the other namespace looks for its own.
+    (tmp_path / mine.dir_name).rename(tmp_path / theirs.dir_name)
+    with capture_logs() as logs:
+        tier = await open_store(tmp_path, theirs)
+    assert tier.recovered() == {}
+    assert any(e["event"] == "nvme.manifest_mismatch" for e in logs)
+    tier.forget([])  # the driver stays usable
+    with pytest.raises(CorruptChunk):
+        await read_back(tier, 0)
+    await tier.close()
+
+
+async def test_a_damaged_manifest_restores_nothing(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path)
+    await fill(tier, range(2))
+    await tier.close()
+    (tier.directory / "g0.manifest").write_bytes(b"\x93not a manifest")
+    with capture_logs() as logs:
+        tier = await open_store(tmp_path)
+    assert tier.recovered() == {}
+    assert any(e["event"] == "nvme.manifest_unreadable" for e in logs)
+    await tier.close()
+
+
+async def test_directory_and_files_are_owner_only(tmp_path: Path) -> None:
+    os.umask(0o022)
+    tier = await open_store(tmp_path / "root")
+    await fill(tier, range(1))
+    await tier.close()
+    assert stat.S_IMODE(tier.directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "root").stat().st_mode) == 0o700
+    for path in tier.directory.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+async def test_buffered_io_where_o_direct_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def no_direct(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with capture_logs() as logs:
+        tier = await open_store(tmp_path)
+    assert not tier.direct
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["nvme.direct_io_unavailable"]
+    await fill(tier, range(2))
+    assert torch.equal(await read_back(tier, 1), data(1))
+    await tier.close()
+    with pytest.raises(TierIOError):
+        await open_store(tmp_path, direct_io=True)
+
+
+async def test_buffered_io_where_o_direct_opens_but_fails_at_the_first_io(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_preadv = os.preadv
+    refused = []
+
+    def refuse_once(fd: int, buffers: Any, offset: int) -> int:
+        if not refused:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", refuse_once)
+    tier = await open_store(tmp_path)
+    assert refused and not tier.direct
+    await fill(tier, range(1))
+    assert torch.equal(await read_back(tier, 0), data(0))
+    await tier.close()
+
+
+@pytest.mark.parametrize(("code", "error"), [(errno.ENOSPC, TierFullError), (errno.EIO, TierIOError)])
+async def test_a_failed_write_is_typed_and_leaves_its_batch_unreadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, error: type[Exception]
+) -> None:
+    tier = await open_store(tmp_path)
+    await fill(tier, range(3))
+    real_pwritev = os.pwritev
+
+    def fail_slot_1(fd: int, buffers: Any, offset: int) -> int:
+        if offset == tier.slot_stride:
+            raise OSError(code, os.strerror(code))
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", fail_slot_1)
+    with pytest.raises(error) as caught:
+        await tier.write([op(s, data(s, 1), 1) for s in range(3)])
+    assert isinstance(caught.value.__cause__, OSError)
+    monkeypatch.undo()
+    for s in range(3):  # neither the old chunks nor the batch's new ones are served
+        for version in (0, 1):
+            with pytest.raises(CorruptChunk):
+                await read_back(tier, s, version)
+    await tier.close()
+    tier = await open_store(tmp_path)
+    assert tier.recovered() == {}  # the failed batch left nothing
+    await tier.close()
+
+
+async def test_a_read_error_is_a_tier_io_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = await open_store(tmp_path)
+    await fill(tier, range(1))
+
+    def broken(*args: Any) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", broken)
+    with pytest.raises(TierIOError, match="reading slot 0"):
+        await read_back(tier, 0)
+    monkeypatch.undo()
+    assert torch.equal(await read_back(tier, 0), data(0))
+    await tier.close()
+
+
+async def test_a_failed_manifest_save_fails_the_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = await open_store(tmp_path)
+
+    def broken(*args: Any) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "replace", broken)
+    with pytest.raises(TierIOError, match="manifest"):
+        await fill(tier, range(2))
+    monkeypatch.undo()
+    with pytest.raises(CorruptChunk):
+        await read_back(tier, 0)
+    await tier.close()
+
+
+async def test_a_second_opener_of_the_same_store_is_refused(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path)
+    with pytest.raises(TierIOError, match="in use"):
+        await open_store(tmp_path)
+    other_group = await open_store(tmp_path, group=1)
+    await other_group.close()
+    await tier.close()
+    await (await open_store(tmp_path)).close()  # released on close
+
+
+async def test_forgotten_slots_are_unreadable_and_stay_forgotten(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path)
+    await fill(tier, range(3))
+    tier.forget([0, 2])
+    with pytest.raises(CorruptChunk):
+        await read_back(tier, 0)
+    await tier.close()
+    tier = await open_store(tmp_path)
+    assert tier.recovered() == {key(1): 1}
+    await tier.close()
+
+
+async def test_a_smaller_store_on_reopen_keeps_only_the_slots_that_fit(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path)
+    await fill(tier, range(SLOTS))
+    await tier.close()
+    tier = await open_store(tmp_path, num_slots=2)
+    assert tier.recovered() == {key(0): 0, key(1): 1}
+    assert slots_file(tier).stat().st_size == 2 * tier.slot_stride
+    await tier.close()
+
+
+async def test_a_store_reopened_with_another_slot_size_starts_empty(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path)
+    await fill(tier, range(2))
+    await tier.close()
+    tier = await open_store(tmp_path, slot_bytes=SLOT + 4096)
+    assert tier.recovered() == {}
+    await tier.close()
+
+
+async def test_concurrent_writes_share_manifest_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = await open_store(tmp_path, io_depth=4)
+    real_replace = os.replace
+    saves = []
+
+    def counted(*args: Any) -> None:
+        saves.append(args)
+        real_replace(*args)
+
+    monkeypatch.setattr(os, "replace", counted)
+    await asyncio.gather(*(tier.write([op(s, data(s))]) for s in range(SLOTS)))
+    assert 1 <= len(saves) < SLOTS
+    await tier.close()
+
+
+async def test_a_chunk_key_longer_than_a_header_holds_is_refused(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path)
+    with pytest.raises(ValueError, match="longer"):
+        await tier.write([TransferOp(buffer=data(0), key=bytes(257), slot=0)])
+    await tier.close()

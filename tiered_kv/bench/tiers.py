@@ -1,0 +1,266 @@
+"""Bench section ``tiers``: each tier driver path against this machine's raw limit.
+
+For each chunk size, in one run:
+
+* ``gpu->cpu`` and ``cpu->gpu`` (a CPU stand-in for the GPU without CUDA) over a
+  Llama-3-8B-shaped cache (32 layers, 8 KV heads of 128, bf16: 128 KiB per token) in
+  two layouts: ``per-layer`` tensors ``[2, num_blocks, block, heads, dim]`` (vLLM's) and
+  one ``fused`` tensor ``[num_blocks, layers, 2, block, heads, dim]``; the limit is a
+  ``torch`` copy of the same chunks (:func:`tiered_kv.bench.probe.copy_pass`).
+* ``cpu->nvme`` and ``nvme->cpu``: the nvme driver writing and reading slots in order,
+  against ``O_DIRECT`` sequential I/O at the same block size and I/O depth
+  (:class:`tiered_kv.bench.probe.DiskProbe`); both sides use ``O_DIRECT``, so the page
+  cache flatters neither.
+
+Raw and driver passes alternate and repeat after a warm-up pass; figures are medians.
+Each run also checks that a chunk taken gpu→cpu→nvme→cpu→gpu comes back bit-identical.
+The drivers are found by name in :data:`tiered_kv.registry.TIERS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from tiered_kv.bench import SectionResult
+from tiered_kv.bench.probe import DiskProbe, copy_pass
+from tiered_kv.bench.report import Progress, Table
+from tiered_kv.interfaces import TransferOp
+from tiered_kv.layout import KVGeometry, KVGroup
+from tiered_kv.namespace import Namespace
+from tiered_kv.registry import TIERS
+
+MiB = 1 << 20
+LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
+TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
+#: Driver throughput as a fraction of the raw limit that the issue asks for.
+TARGETS = {"gpu->cpu": 0.85, "cpu->gpu": 0.85, "cpu->nvme": 0.80, "nvme->cpu": 0.80}
+
+
+class TierFigure(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    path: str
+    chunk_bytes: int
+    gbps: float
+    limit_gbps: float
+    limit: str
+    ratio: float
+    #: gpu paths: how the engine's KV cache is held (``per-layer`` or ``fused``).
+    layout: str | None = None
+
+
+def _chunk_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) * MiB for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(size <= 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"expected MiB sizes like 2,32, got {text!r}")
+    return sizes
+
+
+def _geometry(chunk_bytes: int) -> KVGeometry:
+    tokens = chunk_bytes // TOKEN_BYTES
+    return KVGeometry(
+        dtype="bfloat16",
+        block_size=min(16, tokens),
+        chunk_size=tokens,
+        groups=(KVGroup(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM),),
+    )
+
+
+def _median_gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def _figure(
+    path: str, chunk_bytes: int, nbytes: int, times: list[float], limit_times: list[float], limit: str, **extra: str
+) -> TierFigure:
+    gbps, limit_gbps = _median_gbps(nbytes, times), _median_gbps(nbytes, limit_times)
+    return TierFigure(
+        path=path,
+        chunk_bytes=chunk_bytes,
+        gbps=round(gbps, 3),
+        limit_gbps=round(limit_gbps, 3),
+        limit=limit,
+        ratio=round(gbps / limit_gbps, 3),
+        **extra,
+    )
+
+
+async def _timed(call: Callable[[list[TransferOp]], Awaitable[None]], ops: list[TransferOp]) -> float:
+    started = time.perf_counter()
+    await call(ops)
+    return time.perf_counter() - started
+
+
+class TiersSection:
+    name = "tiers"
+    summary = "tier drivers' throughput against this machine's raw copy and O_DIRECT limits"
+
+    def add_arguments(self, parser: argparse._ArgumentGroup) -> None:
+        parser.add_argument(
+            "--chunk-mib", type=_chunk_sizes, default=_chunk_sizes("2,32"), help="chunk sizes in MiB (default 2,32)"
+        )
+        parser.add_argument("--tier-mem-mib", type=int, default=256, help="MiB per memory pass (default 256)")
+        parser.add_argument("--tier-disk-mib", type=int, default=512, help="MiB per disk pass (default 512)")
+        parser.add_argument("--tier-repeats", type=int, default=5, help="timed passes per path (default 5)")
+        parser.add_argument("--io-depth", type=int, default=8, help="concurrent disk I/Os (default 8)")
+        parser.add_argument("--tier-dir", type=Path, help="directory for the disk files (default: the temp dir)")
+
+    def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
+        figures = asyncio.run(self._run(args, progress))
+        rows = [
+            [
+                f.path,
+                f.layout or "",
+                f"{f.chunk_bytes // MiB} MiB",
+                f"{f.limit_gbps:.2f}",
+                f"{f.gbps:.2f}",
+                f"{f.ratio:.2f}",
+                f"{TARGETS[f.path]:.2f}",
+                f.limit,
+            ]
+            for f in figures
+        ]
+        table = Table(
+            title=f"tiers: driver throughput vs this machine's limit (GB/s, medians of {args.tier_repeats})",
+            headers=["path", "layout", "chunk", "limit", "driver", "ratio", "target", "limit measured as"],
+            rows=rows,
+            note="gpu paths run on a CPU stand-in without CUDA" if not torch.cuda.is_available() else "",
+        )
+        return SectionResult(payload=msgspec.to_builtins(figures), tables=[table])
+
+    async def _run(self, args: argparse.Namespace, progress: Progress) -> list[TierFigure]:
+        sizes: list[int] = args.chunk_mib
+        figures: list[TierFigure] = []
+        with tempfile.TemporaryDirectory(dir=args.tier_dir, prefix="tiered-kv-bench-") as tmp:
+            for i, chunk_bytes in enumerate(sizes):
+                if chunk_bytes % TOKEN_BYTES:
+                    raise ValueError(f"a chunk holds whole tokens of {TOKEN_BYTES} bytes; {chunk_bytes} does not")
+                progress.step(2 * i, 2 * len(sizes), f"memory, {chunk_bytes // MiB} MiB chunks")
+                figures += await self._memory(chunk_bytes, args.tier_mem_mib * MiB, args.tier_repeats)
+                progress.step(2 * i + 1, 2 * len(sizes), f"disk, {chunk_bytes // MiB} MiB chunks")
+                figures += await self._disk(chunk_bytes, args, Path(tmp))
+            progress.step(2 * len(sizes), 2 * len(sizes), "done")
+        return figures
+
+    async def _memory(self, chunk_bytes: int, total: int, repeats: int) -> list[TierFigure]:
+        gpu_cls: Any = TIERS.get("gpu")
+        cpu_cls: Any = TIERS.get("cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        geometry = _geometry(chunk_bytes)
+        bpc, block = geometry.blocks_per_chunk, geometry.block_size
+        n = max(2, total // chunk_bytes)
+        shape = (block, KV_HEADS, HEAD_DIM)
+        caches = {
+            "per-layer": [
+                torch.empty((2, n * bpc, *shape), dtype=torch.bfloat16, device=device).fill_(1) for _ in range(LAYERS)
+            ],
+            "fused": torch.empty((n * bpc, LAYERS, 2, *shape), dtype=torch.bfloat16, device=device).fill_(1),
+        }
+        gpus = {
+            "per-layer": gpu_cls(caches["per-layer"], blocks_per_chunk=bpc, block_dim=1),
+            "fused": gpu_cls(caches["fused"], blocks_per_chunk=bpc),
+        }
+        cpu = cpu_cls(chunk_bytes, n)
+        ops = [TransferOp(buffer=cpu.view(j), blocks=tuple(range(j * bpc, (j + 1) * bpc))) for j in range(n)]
+        raw_device = torch.empty((n, chunk_bytes), dtype=torch.uint8, device=device).fill_(1)
+        raw_host = torch.empty((n, chunk_bytes), dtype=torch.uint8, pin_memory=device == "cuda").fill_(2)
+        times: dict[str, list[float]] = {}
+        for rep in range(repeats + 1):  # the first pass warms up
+            passes: dict[str, float] = {
+                "raw gpu->cpu": copy_pass(list(raw_host), list(raw_device)),
+                "raw cpu->gpu": copy_pass(list(raw_device), list(raw_host)),
+            }
+            for layout, gpu in gpus.items():
+                passes[f"{layout} gpu->cpu"] = await _timed(gpu.read, ops)
+                passes[f"{layout} cpu->gpu"] = await _timed(gpu.write, ops)
+            if rep:
+                for key, seconds in passes.items():
+                    times.setdefault(key, []).append(seconds)
+        for tier in (*gpus.values(), cpu):
+            await tier.close()
+        limits = {
+            "gpu->cpu": f"torch copy_ of {chunk_bytes // MiB} MiB chunks, {device}->cpu",
+            "cpu->gpu": f"torch copy_ of {chunk_bytes // MiB} MiB chunks, cpu->{device}",
+        }
+        return [
+            _figure(
+                path,
+                chunk_bytes,
+                n * chunk_bytes,
+                times[f"{layout} {path}"],
+                times[f"raw {path}"],
+                limit,
+                layout=layout,
+            )
+            for path, limit in limits.items()
+            for layout in gpus
+        ]
+
+    async def _disk(self, chunk_bytes: int, args: argparse.Namespace, directory: Path) -> list[TierFigure]:
+        cpu_cls: Any = TIERS.get("cpu")
+        nvme_cls: Any = TIERS.get("nvme")
+        depth = args.io_depth
+        n = max(2 * depth, args.tier_disk_mib * MiB // chunk_bytes)
+        namespace = Namespace(model_id="bench/tiers", model_revision="0", geometry=_geometry(chunk_bytes))
+        cpu = cpu_cls(chunk_bytes, n)
+        for j in range(n):
+            cpu.view(j).fill_(j % 251)
+        probe = DiskProbe(directory, chunk_bytes, n, depth)
+        nvme = await nvme_cls.open(directory, namespace, slot_bytes=chunk_bytes, num_slots=n, io_depth=depth)
+        try:
+            if not nvme.direct:
+                raise RuntimeError(f"O_DIRECT is refused in {directory}; choose --tier-dir on a disk")
+            ops = [TransferOp(buffer=cpu.view(j), key=j.to_bytes(16, "little"), slot=j) for j in range(n)]
+            times: dict[str, list[float]] = {}
+            for rep in range(args.tier_repeats + 1):  # the first pass allocates the files' extents
+                passes = {
+                    "raw cpu->nvme": await asyncio.to_thread(probe.write_pass),
+                    "cpu->nvme": await _timed(nvme.write, ops),
+                    "raw nvme->cpu": await asyncio.to_thread(probe.read_pass),
+                    "nvme->cpu": await _timed(nvme.read, ops),
+                }
+                if rep:
+                    for key, seconds in passes.items():
+                        times.setdefault(key, []).append(seconds)
+            await _check_round_trip(cpu, nvme, chunk_bytes)
+        finally:
+            await nvme.close()
+            await cpu.close()
+            probe.close()
+        limit = f"O_DIRECT sequential {chunk_bytes // MiB} MiB I/Os, {depth} in flight (own probe)"
+        return [
+            _figure(path, chunk_bytes, n * chunk_bytes, times[path], times[f"raw {path}"], limit)
+            for path in ("cpu->nvme", "nvme->cpu")
+        ]
+
+
+async def _check_round_trip(cpu: Any, nvme: Any, chunk_bytes: int) -> None:
+    """A chunk taken gpu→cpu→nvme→cpu→gpu comes back bit-identical, or RuntimeError."""
+    geometry = _geometry(chunk_bytes)
+    bpc = geometry.blocks_per_chunk
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cache = torch.randint(0, 256, (2 * bpc, geometry.block_bytes()), dtype=torch.uint8, device=device)
+    gpu_cls: Any = TIERS.get("gpu")
+    gpu = gpu_cls(cache, blocks_per_chunk=bpc)
+    first, second = tuple(range(bpc)), tuple(range(bpc, 2 * bpc))
+    key = b"round-trip-check"
+    try:
+        await gpu.read([TransferOp(buffer=cpu.view(0), blocks=first)])
+        await nvme.write([TransferOp(buffer=cpu.view(0), key=key, slot=0)])
+        await nvme.read([TransferOp(buffer=cpu.view(1), key=key, slot=0)])
+        await gpu.write([TransferOp(buffer=cpu.view(1), blocks=second)])
+    finally:
+        await gpu.close()
+    if not torch.equal(cache[:bpc], cache[bpc:]):
+        raise RuntimeError("a chunk came back from gpu→cpu→nvme→cpu→gpu changed")

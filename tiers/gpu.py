@@ -1,0 +1,235 @@
+"""The gpu tier: the engine's paged KV cache, as the engine holds it.
+
+The engine keeps its KV cache either as one tensor per layer (``[num_blocks, …]``, or
+``[2, num_blocks, …]`` for K and V) or as one fused tensor; ``block_dim`` names the
+block dimension, the dimensions before it are split into separate KV tensors (in
+row-major order) and the dimensions after it are one block's contiguous slice. A *slot*
+of this tier is one engine block over all of its tensors.
+
+``read`` copies an op's blocks into its host buffer (the store direction), ``write``
+copies the buffer's bytes into the blocks (the load direction). The buffer is one
+chunk, laid out tensor-major (see :mod:`tiered_kv.interfaces`), and an op may cover a
+run of the chunk's blocks starting at ``first_block`` (a sliding-window load), which
+touches one contiguous range per tensor.
+
+Copies are batched per job: consecutive block ids form one run, and KV tensors that lie
+in one allocation at a constant distance from each other (a fused tensor, K and V of a
+layer) are one strided view, so a run costs one copy per group of such tensors, and the
+job's copies go to ``torch._foreach_copy_`` in one call.
+
+With CUDA the copies run on a dedicated stream that first waits for the compute stream
+(the stream current at submission, or the one given), and each job records one blocking
+``torch.cuda.Event``; a worker thread sleeps on it (no busy-polling) and its completion
+resolves the awaiting asyncio future. Without CUDA (tests, CPU-only machines) the same
+driver works on CPU tensors and copies in a worker thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from tiered_kv.interfaces import TransferOp
+from tiered_kv.log import get_logger
+from tiers._driver import COPY_WORKERS, DriverBase, check_buffer, in_threads, shutdown, split, tier_error, worker_pool
+
+log = get_logger("gpu")
+
+
+class _Segment(NamedTuple):
+    """KV tensors laid out alike in one allocation: ``[count, num_blocks, piece]`` bytes."""
+
+    cache: torch.Tensor
+    #: Bytes of one block of one tensor.
+    piece: int
+    #: Where the segment's first tensor's section starts in a chunk buffer.
+    offset: int
+
+
+class _Rows(NamedTuple):
+    """One KV tensor as byte rows: block ``b`` is ``piece`` bytes at ``start + b * stride``."""
+
+    storage: torch.UntypedStorage
+    start: int
+    stride: int
+    piece: int
+
+
+def _rows(tensor: torch.Tensor, num_blocks: int) -> _Rows:
+    if tensor.shape[0] != num_blocks:
+        raise ValueError(f"every KV tensor needs the same number of blocks: {tensor.shape[0]} != {num_blocks}")
+    if not tensor[0].is_contiguous():
+        raise ValueError(f"one block of a KV tensor must be contiguous in memory (strides {tensor.stride()})")
+    size = tensor.element_size()
+    piece = tensor[0].numel() * size
+    stride = tensor.stride(0) * size
+    if num_blocks > 1 and stride < piece:
+        raise ValueError("the blocks of a KV tensor overlap in memory")
+    return _Rows(tensor.untyped_storage(), int(tensor.storage_offset()) * size, stride, piece)
+
+
+def _segments(rows: list[_Rows], blocks_per_chunk: int, num_blocks: int, device: torch.device) -> list[_Segment]:
+    """Group consecutive tensors of one allocation, equally spaced and alike, into segments."""
+    groups: list[list[_Rows]] = []
+    for row in rows:
+        last = groups[-1] if groups else None
+        if (
+            last is not None
+            and row.storage.data_ptr() == last[0].storage.data_ptr()
+            and (row.stride, row.piece) == (last[0].stride, last[0].piece)
+            and row.start > last[-1].start
+            and (len(last) == 1 or row.start - last[-1].start == last[1].start - last[0].start)
+        ):
+            last.append(row)
+        else:
+            groups.append([row])
+    segments, offset = [], 0
+    for group in groups:
+        first = group[0]
+        spacing = group[1].start - first.start if len(group) > 1 else first.piece
+        flat = torch.empty(0, dtype=torch.uint8, device=device).set_(first.storage)
+        cache = flat.as_strided((len(group), num_blocks, first.piece), (spacing, first.stride, 1), first.start)
+        segments.append(_Segment(cache, first.piece, offset))
+        offset += len(group) * first.piece * blocks_per_chunk
+    return segments
+
+
+def _runs(blocks: Sequence[int], first_block: int) -> list[tuple[int, int, int]]:
+    """``(position in chunk, first block id, length)`` for each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+            runs.append((first_block + start, blocks[start], i - start))
+            start = i
+    return runs
+
+
+class GpuTier(DriverBase):
+    """Copies whole engine blocks between the engine's KV tensors and chunk buffers."""
+
+    def __init__(
+        self,
+        kv_caches: torch.Tensor | Sequence[torch.Tensor],
+        *,
+        blocks_per_chunk: int,
+        block_dim: int = 0,
+        compute_stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        tensors = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
+        if not tensors or blocks_per_chunk <= 0:
+            raise ValueError("a gpu tier needs at least one KV tensor and blocks_per_chunk > 0")
+        if any(t.dim() <= block_dim for t in tensors):
+            raise ValueError(f"block_dim {block_dim} is not a dimension of every KV tensor")
+        self.device = tensors[0].device
+        if any(t.device != self.device for t in tensors):
+            raise ValueError("every KV tensor must be on one device")
+        num_blocks = tensors[0].shape[block_dim]
+        rows = [
+            _rows(tensor[index], num_blocks)
+            for tensor in tensors
+            for index in itertools.product(*map(range, tensor.shape[:block_dim]))
+        ]
+        super().__init__("gpu", sum(r.piece for r in rows), num_blocks)
+        self.blocks_per_chunk = blocks_per_chunk
+        self.chunk_bytes = self.slot_bytes * blocks_per_chunk
+        self._segments = _segments(rows, blocks_per_chunk, num_blocks, self.device)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self._compute_stream = compute_stream
+        # CUDA: a job's thread issues its copies, then sleeps on its event; two threads
+        # keep the next job issuing while one waits. CPU: the threads share the copying.
+        self._workers = 2 if self.cuda else COPY_WORKERS
+        self._executor = worker_pool("gpu", self._workers)
+        log.debug(
+            "gpu.opened",
+            device=str(self.device),
+            blocks=num_blocks,
+            tensors=len(rows),
+            copies_per_run=len(self._segments),
+            block_bytes=self.slot_bytes,
+        )
+
+    async def read(self, ops: Sequence[TransferOp]) -> None:
+        """GPU blocks → host buffers (the store direction)."""
+        await self._move(ops, to_host=True)
+
+    async def write(self, ops: Sequence[TransferOp]) -> None:
+        """Host buffers → GPU blocks (the load direction)."""
+        await self._move(ops, to_host=False)
+
+    def _check(self, op: TransferOp) -> int:
+        check_buffer(op.buffer, max_bytes=self.chunk_bytes, exact=True)
+        n = len(op.blocks)
+        if n == 0 or op.first_block < 0 or op.first_block + n > self.blocks_per_chunk:
+            raise ValueError(
+                f"{n} blocks from position {op.first_block} do not fit a chunk of {self.blocks_per_chunk} blocks"
+            )
+        if min(op.blocks) < 0 or max(op.blocks) >= self.num_slots:
+            raise ValueError(f"a block id is outside the engine's {self.num_slots} blocks")
+        return n * self.slot_bytes
+
+    async def _move(self, ops: Sequence[TransferOp], *, to_host: bool) -> None:
+        self._check_open()
+        nbytes = sum(self._check(op) for op in ops)
+        try:
+            if self.cuda:
+                stream = self._compute_stream or torch.cuda.current_stream(self.device)
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ready.record(stream)
+                await in_threads(self._executor, self._copy_cuda, [(ops, to_host, ready)])
+            else:
+                await in_threads(
+                    self._executor, self._copy, [(part, to_host, False) for part in split(ops, self._workers)]
+                )
+        except RuntimeError as exc:  # torch and CUDA errors
+            self._errors += 1
+            raise tier_error(self.name, "copy", exc) from exc
+        self._count(read=to_host, ops=len(ops), nbytes=nbytes)
+
+    def _copy(self, ops: Sequence[TransferOp], to_host: bool, non_blocking: bool) -> None:
+        """Issue every copy of a job in one ``_foreach_copy_`` call."""
+        hosts: list[torch.Tensor] = []
+        caches: list[torch.Tensor] = []
+        bpc = self.blocks_per_chunk
+        for op in ops:
+            base = op.buffer.storage_offset()
+            storage = op.buffer
+            for position, block, n in _runs(op.blocks, op.first_block):
+                for seg in self._segments:
+                    count, _, piece = seg.cache.shape
+                    hosts.append(
+                        storage.as_strided(
+                            (count, n, piece), (bpc * piece, piece, 1), base + seg.offset + position * piece
+                        )
+                    )
+                    caches.append(seg.cache[:, block : block + n])
+        if to_host:
+            torch._foreach_copy_(hosts, caches, non_blocking=non_blocking)
+        else:
+            torch._foreach_copy_(caches, hosts, non_blocking=non_blocking)
+
+    def _copy_cuda(self, ops: Sequence[TransferOp], to_host: bool, ready: torch.cuda.Event) -> None:
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            self._copy(ops, to_host, True)
+            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            done.record(self._stream)
+        done.synchronize()
+
+    async def close(self) -> None:
+        """Refuse further use and wait for running copies; the engine's tensors are untouched."""
+        if self._closed:
+            return
+        self._closed = True
+        await shutdown(self._executor)
+
+    def __repr__(self) -> str:
+        return (
+            f"<GpuTier {self.device} blocks={self.num_slots} block_bytes={self.slot_bytes} "
+            f"copies_per_run={len(self._segments)}>"
+        )

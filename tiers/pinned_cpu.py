@@ -1,0 +1,122 @@
+"""The cpu tier: one page-aligned host allocation cut into chunk slots.
+
+The slab is the meeting point of the other tiers: the gpu driver copies blocks straight
+into a slot's :meth:`PinnedCpuTier.view` and the nvme driver does ``O_DIRECT`` I/O from
+and into the same views, so a chunk crosses host memory once. Slots start on page
+boundaries (``O_DIRECT`` needs aligned memory) and are addressed by index; which slot
+holds which chunk is the core's directory's business, not this driver's.
+
+With CUDA the slab is page-locked with ``cudaHostRegister`` (exactly its size: the
+caching host allocator behind ``pin_memory=True`` rounds every allocation up to a power
+of two, which for a slab of tens of GiB wastes up to half of it). Without CUDA it is
+plain memory.
+
+Reads and writes copy between a slot and another host buffer in a worker thread. The
+cpu tier verifies nothing: a slot's bytes are as good as the directory's state for it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tiered_kv.interfaces import TransferOp
+from tiered_kv.log import get_logger
+from tiers._driver import (
+    COPY_WORKERS,
+    DriverBase,
+    check_buffer,
+    check_slots,
+    in_threads,
+    shutdown,
+    split,
+    tier_error,
+    worker_pool,
+)
+
+#: Slot alignment: a page, which satisfies ``O_DIRECT`` on every Linux filesystem.
+PAGE = 4096
+
+log = get_logger("cpu")
+
+
+def round_up(n: int, align: int = PAGE) -> int:
+    return -(-n // align) * align
+
+
+def aligned_empty(nbytes: int, align: int = PAGE) -> torch.Tensor:
+    """An uninitialized ``uint8`` CPU tensor of ``nbytes`` whose first byte is ``align``-aligned."""
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    skip = -raw.data_ptr() % align
+    return raw[skip : skip + nbytes]
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _unregister(data_ptr: int) -> None:
+    _cudart().cudaHostUnregister(data_ptr)
+
+
+class PinnedCpuTier(DriverBase):
+    """``num_slots`` slots of ``slot_bytes`` each in one host allocation."""
+
+    def __init__(self, slot_bytes: int, num_slots: int, *, pin: bool | None = None) -> None:
+        super().__init__("cpu", slot_bytes, num_slots)
+        self.slot_stride = round_up(slot_bytes)
+        slab = aligned_empty(self.slot_stride * num_slots)
+        self.pinned = torch.cuda.is_available() if pin is None else pin
+        if self.pinned:
+            # Portable (flag 1): every device of the process may copy from the slab.
+            code = int(_cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 1))
+            if code != 0:
+                raise tier_error(self.name, "page-locking the slab", RuntimeError(f"cudaHostRegister error {code}"))
+            self._unpin = weakref.finalize(self, _unregister, slab.data_ptr())
+        self._slots = slab.view(num_slots, self.slot_stride)
+        self._executor = worker_pool("cpu", COPY_WORKERS)
+        log.debug("cpu.opened", slots=num_slots, slot_bytes=slot_bytes, bytes=slab.numel(), pinned=self.pinned)
+
+    def view(self, slot: int) -> torch.Tensor:
+        """Slot ``slot`` as a zero-copy, page-aligned ``uint8`` tensor of ``slot_bytes``."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is outside this tier's {self.num_slots} slots")
+        return self._slots[slot, : self.slot_bytes]
+
+    async def read(self, ops: Sequence[TransferOp]) -> None:
+        await self._copy(ops, read=True)
+
+    async def write(self, ops: Sequence[TransferOp]) -> None:
+        await self._copy(ops, read=False)
+
+    async def _copy(self, ops: Sequence[TransferOp], *, read: bool) -> None:
+        self._check_open()
+        check_slots(ops, self.num_slots)
+        nbytes = sum(check_buffer(op.buffer, max_bytes=self.slot_bytes) for op in ops)
+        try:
+            await in_threads(self._executor, self._copy_batch, [(part, read) for part in split(ops, COPY_WORKERS)])
+        except RuntimeError as exc:
+            self._errors += 1
+            raise tier_error(self.name, "copy", exc) from exc
+        self._count(read=read, ops=len(ops), nbytes=nbytes)
+
+    def _copy_batch(self, ops: Sequence[TransferOp], read: bool) -> None:
+        slots = [self._slots[op.slot, : op.buffer.numel()] for op in ops]
+        buffers = [op.buffer for op in ops]
+        torch._foreach_copy_(*((buffers, slots) if read else (slots, buffers)))
+
+    async def close(self) -> None:
+        """Refuse further use and wait for running copies. Views stay valid memory (while
+        referenced) but are no longer page-locked."""
+        if self._closed:
+            return
+        self._closed = True
+        await shutdown(self._executor)
+        if self.pinned:
+            self._unpin()
+
+    def __repr__(self) -> str:
+        return f"<PinnedCpuTier slots={self.num_slots} slot_bytes={self.slot_bytes} pinned={self.pinned}>"
