@@ -220,10 +220,10 @@ async def test_nvme_read_failure_keeps_the_good_prefix() -> None:
     keys = keys_for(4)
     await harness.store(keys)
     await harness.kv.finish_request("r")
-    await harness.kv._scheduler.drain()  # write-through to nvme done
+    await harness.kv.drain()  # write-through to nvme done
     # Push the four chunks out of cpu; nvme keeps them.
     await harness.store(keys_for(4, start=90_000), offset=100)
-    await harness.kv._scheduler.drain()
+    await harness.kv.drain()
     assert harness.lookup(keys) == 4
     harness.nvme.fail_keys.add(keys[2])
     assert await harness.load(keys) == 2 * NS.geometry.chunk_size
@@ -237,9 +237,9 @@ async def test_two_loads_of_a_chunk_on_nvme_share_one_read() -> None:
     harness = await open_harness(config(cpu_chunks=2, nvme_chunks=16))
     keys = keys_for(2)
     await harness.store(keys)
-    await harness.kv._scheduler.drain()
+    await harness.kv.drain()
     await harness.store(keys_for(2, start=70_000), offset=100)
-    await harness.kv._scheduler.drain()
+    await harness.kv.drain()
     reads_before = harness.nvme.statistics().reads
     harness.nvme.gate.clear()
     loads = [asyncio.ensure_future(harness.load(keys, request_id=f"l{i}")) for i in range(2)]
@@ -254,9 +254,9 @@ async def test_cancelling_one_of_two_loads_does_not_cancel_the_shared_read() -> 
     harness = await open_harness(config(cpu_chunks=2, nvme_chunks=16))
     keys = keys_for(1)
     await harness.store(keys)
-    await harness.kv._scheduler.drain()
+    await harness.kv.drain()
     await harness.store(keys_for(2, start=70_000), offset=100)
-    await harness.kv._scheduler.drain()
+    await harness.kv.drain()
     harness.nvme.gate.clear()
     first = asyncio.ensure_future(harness.load(keys, request_id="a"))
     second = asyncio.ensure_future(harness.load(keys, request_id="b"))
@@ -320,10 +320,10 @@ async def test_write_back_spills_evicted_chunks_to_nvme() -> None:
     harness = await open_harness(config(cpu_chunks=2, nvme_chunks=8, write_policy=WritePolicy.WRITE_BACK))
     first = keys_for(2)
     await harness.store(first)
-    await harness.kv._scheduler.drain()
+    await harness.kv.drain()
     assert harness.nvme.statistics().writes == 0  # write-back: nothing goes to nvme yet
     await harness.store(keys_for(2, start=40_000), offset=100)
-    await harness.kv._scheduler.drain()
+    await harness.kv.drain()
     assert harness.nvme.statistics().writes == 2
     assert harness.lookup(first) == 2  # served from nvme now
     await harness.kv.close()
@@ -333,12 +333,12 @@ async def test_selective_writes_to_nvme_after_k_hits() -> None:
     harness = await open_harness(config(write_policy=WritePolicy.SELECTIVE))
     keys = keys_for(1)
     await harness.store(keys)
-    await harness.kv._scheduler.drain()
+    await harness.kv.drain()
     await harness.load(keys)
-    await harness.kv._scheduler.drain()
+    await harness.kv.drain()
     assert harness.nvme.statistics().writes == 0
     await harness.load(keys)
-    await harness.kv._scheduler.drain()
+    await harness.kv.drain()
     assert harness.nvme.statistics().writes == 1  # selective_hits = 2
     await harness.kv.close()
 

@@ -12,12 +12,15 @@ from tiered_kv.config import (
     load_config,
 )
 from tiered_kv.errors import (
+    BusyError,
     ChunkKeyError,
     ConfigError,
+    CorruptChunk,
     GeometryError,
     NamespaceError,
     SpanError,
     TieredKVError,
+    TierError,
     UnknownPluginError,
 )
 from tiered_kv.keys import (
@@ -28,19 +31,25 @@ from tiered_kv.keys import (
     chunk_keys_from_chain,
 )
 from tiered_kv.layout import AttentionKind, KVGeometry, KVGroup
+from tiered_kv.manager import StoreResult, TieredKV
 from tiered_kv.namespace import Namespace
 from tiered_kv.registry import POLICIES, TIERS, Registry
 from tiered_kv.spans import SpanChunks, max_window_blocks, span_chunks, validate_window_span, window_span
+from tiered_kv.stats import KVEvent, KVEventKind, Statistics, TierUsage
 
 __all__ = [
     "POLICIES",
     "TIERS",
     "AttentionKind",
+    "BusyError",
     "ChunkKey",
     "ChunkKeyError",
     "ConfigError",
+    "CorruptChunk",
     "CpuTierConfig",
     "GeometryError",
+    "KVEvent",
+    "KVEventKind",
     "KVGeometry",
     "KVGroup",
     "Namespace",
@@ -50,6 +59,11 @@ __all__ = [
     "Registry",
     "SpanChunks",
     "SpanError",
+    "Statistics",
+    "StoreResult",
+    "TierError",
+    "TierUsage",
+    "TieredKV",
     "TieredKVConfig",
     "TieredKVError",
     "UnknownPluginError",

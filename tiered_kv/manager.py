@@ -201,11 +201,11 @@ class TieredKV:
         driver. Raises the first fatal background error, if one happened."""
         if self._closed:
             return
-        self._closed = True
         try:
-            if drain:
-                await self._scheduler.drain()
+            if drain and self._scheduler.fatal is None:
+                await self._scheduler.drain()  # write-behind may still start copies here
         finally:
+            self._closed = True
             await self._scheduler.close()
             drivers: list[TierDriver] = []
             for pool in self._pools.values():
@@ -795,6 +795,12 @@ class TieredKV:
         waiting = self._reading(block_ids, namespace)
         if waiting:
             await asyncio.shield(asyncio.gather(*waiting))
+        self._check()
+
+    async def drain(self) -> None:
+        """Return once every background copy (stores, write-behind, promotions) is done."""
+        self._check()
+        await self._scheduler.drain()
         self._check()
 
     # -- observation -------------------------------------------------------------------

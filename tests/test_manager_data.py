@@ -1,0 +1,256 @@
+"""TieredKV over the real drivers: bytes land bit-exact, across tiers, restarts and faults."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_namespace
+
+from tiered_kv import (
+    AttentionKind,
+    CpuTierConfig,
+    KVGeometry,
+    KVGroup,
+    Namespace,
+    NamespacePolicyConfig,
+    NvmeTierConfig,
+    TieredKV,
+    TieredKVConfig,
+    WritePolicy,
+    chunk_keys,
+    window_span,
+)
+from tiered_kv.config import NvmeTierConfig as NvmeConfig
+from tiered_kv.interfaces import TierDriver
+from tiered_kv.manager import HostTier, RecoverableTier, RegistryTiers
+from tiered_kv.testing import FaultyTier
+
+ROOT = Path(__file__).resolve().parent.parent
+NS = make_namespace()  # 4-token blocks, 16-token chunks, 2 layers x 2 heads x 8 dims, fp16
+LAYERS = 2
+
+
+def engine_cache(num_blocks: int = 64, seed: int = 0, ns: Namespace = NS, group: int = 0) -> list[torch.Tensor]:
+    """One tensor per layer, [num_blocks, K/V, block_size, heads, head_dim], random contents."""
+    g = ns.geometry.groups[group]
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(num_blocks, 2, ns.geometry.block_size, g.num_kv_heads, g.head_dim, generator=generator).to(
+            torch.float16
+        )
+        for _ in range(g.num_layers)
+    ]
+
+
+def config(tmp_path: Path, cpu_chunks: int, nvme_chunks: int, **policy: object) -> TieredKVConfig:
+    chunk = NS.geometry.chunk_bytes()
+    return TieredKVConfig(
+        cpu=CpuTierConfig(capacity_bytes=chunk * cpu_chunks),
+        nvme=NvmeTierConfig(root=str(tmp_path / "nvme"), capacity_bytes=chunk * nvme_chunks, io_depth=4),
+        default_policy=NamespacePolicyConfig(**policy),  # type: ignore[arg-type]
+    )
+
+
+def same_blocks(cache: Sequence[torch.Tensor], src: Sequence[int], dst: Sequence[int]) -> bool:
+    return all(torch.equal(layer[list(src)], layer[list(dst)]) for layer in cache)
+
+
+async def test_chunk_round_trips_bit_exact_through_every_tier(tmp_path: Path) -> None:
+    cache = engine_cache()
+    keys = chunk_keys(NS, list(range(64)))  # 4 chunks = blocks 0..15
+    other = chunk_keys(NS, list(range(5000, 5064)))
+    async with TieredKV(config(tmp_path, cpu_chunks=4, nvme_chunks=16)) as kv:
+        await kv.register(NS, [cache])
+        await kv.store(NS, request_id="a", keys=[keys], block_ids=[list(range(16))])
+        await kv.drain()  # write-through put them on nvme
+        # Push the chunks out of cpu.
+        await kv.store(NS, request_id="b", keys=[other], block_ids=[list(range(16, 32))])
+        await kv.drain()
+        assert kv.lookup(NS, [keys]) == 4
+        loaded = await kv.load(NS, request_id="c", keys=[keys], block_ids=[list(range(40, 56))], num_tokens=64)
+        assert loaded == 64
+        assert same_blocks(cache, range(16), range(40, 56))
+        stats = kv.statistics()
+        assert stats.hits.get("nvme", 0) == 4 and stats.bytes_moved["nvme->cpu"] == 4 * NS.geometry.chunk_bytes()
+
+
+async def test_unaligned_load_copies_part_of_the_last_chunk(tmp_path: Path) -> None:
+    cache = engine_cache()
+    keys = chunk_keys(NS, list(range(64)))
+    async with TieredKV(config(tmp_path, cpu_chunks=8, nvme_chunks=8)) as kv:
+        await kv.register(NS, [cache])
+        await kv.store(NS, request_id="a", keys=[keys], block_ids=[list(range(16))])
+        await kv.finish_request("a")
+        before = [layer[40:56].clone() for layer in cache]
+        loaded = await kv.load(NS, request_id="b", keys=[keys], block_ids=[list(range(40, 56))], num_tokens=50)
+        assert loaded == 50
+        assert same_blocks(cache, range(13), range(40, 53))  # cdiv(50, 4) = 13 blocks
+        assert all(torch.equal(layer[53:56], old[13:16]) for layer, old in zip(cache, before, strict=True))
+
+
+async def test_warm_restart_serves_chunks_from_nvme(tmp_path: Path) -> None:
+    cache = engine_cache()
+    keys = chunk_keys(NS, list(range(48)))
+    async with TieredKV(config(tmp_path, cpu_chunks=8, nvme_chunks=8)) as kv:
+        await kv.register(NS, [cache])
+        await kv.store(NS, request_id="a", keys=[keys], block_ids=[list(range(12))])
+    async with TieredKV(config(tmp_path, cpu_chunks=8, nvme_chunks=8)) as kv:
+        fresh = engine_cache(seed=1)
+        await kv.register(NS, [fresh])
+        assert kv.lookup(NS, [keys]) == 3
+        assert await kv.load(NS, request_id="b", keys=[keys], block_ids=[list(range(12))], num_tokens=48) == 48
+        assert all(torch.equal(new[:12], old[:12]) for new, old in zip(fresh, cache, strict=True))
+
+
+async def test_corrupt_chunk_on_nvme_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
+    cache = engine_cache()
+    keys = chunk_keys(NS, list(range(48)))
+    async with TieredKV(config(tmp_path, cpu_chunks=8, nvme_chunks=8)) as kv:
+        await kv.register(NS, [cache])
+        await kv.store(NS, request_id="a", keys=[keys], block_ids=[list(range(12))])
+    # Flip one payload byte of every slot file on disk.
+    for path in (tmp_path / "nvme").rglob("*"):
+        if path.is_file() and "manifest" not in path.name and path.stat().st_size > 8192:
+            with path.open("r+b") as f:
+                f.seek(4096 + 100)
+                byte = f.read(1)
+                f.seek(4096 + 100)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    async with TieredKV(config(tmp_path, cpu_chunks=8, nvme_chunks=8)) as kv:
+        fresh = engine_cache(seed=1)
+        untouched = [layer.clone() for layer in fresh]
+        await kv.register(NS, [fresh])
+        hit = kv.lookup(NS, [keys])
+        loaded = await kv.load(NS, request_id="b", keys=[keys], block_ids=[list(range(12))], num_tokens=hit * 16)
+        good_blocks = loaded // 4
+        assert loaded < hit * 16 or hit < 3  # the corrupt chunk was not served
+        assert all(torch.equal(new[:good_blocks], old[:good_blocks]) for new, old in zip(fresh, cache, strict=True))
+        assert all(torch.equal(new[good_blocks:], old[good_blocks:]) for new, old in zip(fresh, untouched, strict=True))
+        kv.check_invariants()
+
+
+async def test_production_sliding_window_span_loads_bit_exact(tmp_path: Path) -> None:
+    """W=4096, B=32, C=256, N=98012: the window spans 129 blocks, 2934…3062."""
+    hybrid = make_namespace(
+        model_id="acme/hybrid",
+        geometry=KVGeometry(
+            dtype="float16",
+            block_size=32,
+            chunk_size=256,
+            groups=(
+                KVGroup(num_layers=1, num_kv_heads=1, head_dim=4),
+                KVGroup(kind=AttentionKind.SLIDING_WINDOW, window=4096, num_layers=1, num_kv_heads=1, head_dim=4),
+            ),
+        ),
+    )
+    n_blocks = 3064 + 200
+    full_cache, window_cache = engine_cache(n_blocks, 1, hybrid, 0), engine_cache(n_blocks, 2, hybrid, 1)
+    prompt = list(range(98048))  # 383 full chunks
+    keys = [chunk_keys(hybrid, prompt, group=0), chunk_keys(hybrid, prompt, group=1)]
+    table = list(range(3064))
+    window_table = [b if b >= 2928 else -1 for b in table]  # the engine freed blocks behind the window
+    chunk = hybrid.geometry.chunk_bytes(0) + hybrid.geometry.chunk_bytes(1)
+    cfg = TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=chunk * 400))
+    async with TieredKV(cfg) as kv:
+        await kv.register(hybrid, [full_cache, window_cache])
+        result = await kv.store(hybrid, request_id="s", keys=keys, block_ids=[table, window_table])
+        assert result.submitted == 383 + 17
+        await kv.finish_request("s")
+        # A new request's blocks: the full group's table is shifted; the window's 129
+        # pending blocks are handed in as the engine allocated them.
+        span = window_span(98012, 4096, 32)
+        assert (span.start, span.stop - 1, len(span)) == (2934, 3062, 129)
+        dest_window = [100 + i for i in range(len(span))]
+        before = window_cache[0].clone()
+        loaded = await kv.load(hybrid, request_id="p", keys=keys, block_ids=[table, dest_window], num_tokens=98012)
+        assert loaded == 98012
+        assert torch.equal(window_cache[0][dest_window], before[list(span)])
+
+
+class FaultyTiers:
+    """The registry's drivers, with the cpu↔gpu and nvme paths wrapped in FaultyTier."""
+
+    def __init__(self, seed: int, **faults: float) -> None:
+        self.inner = RegistryTiers()
+        self.seed = seed
+        self.faults = faults
+        self.wrapped: list[FaultyTier] = []
+
+    def _wrap(self, driver: TierDriver, offset: int) -> FaultyTier:
+        faulty = FaultyTier(driver, seed=self.seed + offset, **self.faults)  # type: ignore[arg-type]
+        self.wrapped.append(faulty)
+        return faulty
+
+    def gpu(self, namespace: Namespace, group: int, tensors: Sequence[torch.Tensor]) -> TierDriver:
+        return self._wrap(self.inner.gpu(namespace, group, tensors), 1)
+
+    def cpu(self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int) -> HostTier:
+        return self.inner.cpu(namespace, group, slot_bytes, num_slots)
+
+    async def nvme(
+        self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: NvmeConfig
+    ) -> RecoverableTier:
+        driver = await self.inner.nvme(namespace, group, slot_bytes, num_slots, config)
+        return self._wrap(driver, 2)  # type: ignore[return-value]
+
+
+async def test_injected_faults_never_reach_the_engine_as_wrong_bytes(tmp_path: Path) -> None:
+    cache = engine_cache(128)
+    tiers = FaultyTiers(seed=7, error_rate=0.2, torn_rate=0.2)
+    prompts = [list(range(p * 1000, p * 1000 + 64)) for p in range(6)]
+    async with TieredKV(config(tmp_path, cpu_chunks=6, nvme_chunks=24), tiers=tiers) as kv:
+        await kv.register(NS, [cache])
+        for round_ in range(4):
+            for p, prompt in enumerate(prompts):
+                keys = chunk_keys(NS, prompt)
+                src = list(range(p * 16, p * 16 + 16))
+                await kv.store(NS, request_id=f"s{round_}-{p}", keys=[keys], block_ids=[src])
+                await kv.finish_request(f"s{round_}-{p}")
+                hit = kv.lookup(NS, [keys])
+                dest = list(range(100, 100 + 16))
+                for layer in cache:
+                    layer[100:116] = 0
+                loaded = await kv.load(
+                    NS, request_id=f"l{round_}-{p}", keys=[keys], block_ids=[dest], num_tokens=hit * 16
+                )
+                blocks = loaded // 4
+                assert same_blocks(cache, src[:blocks], dest[:blocks])
+                kv.check_invariants()
+            await kv.drain()
+    assert any(t.faults for t in tiers.wrapped)
+
+
+def test_the_embedding_example_runs() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "embed.py")], capture_output=True, text=True, env=env, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "loaded 256 tokens from cache" in result.stdout
+
+
+@pytest.mark.parametrize("write_policy", [WritePolicy.WRITE_BACK, WritePolicy.SELECTIVE])
+async def test_write_policies_put_bytes_on_nvme_that_load_back(tmp_path: Path, write_policy: WritePolicy) -> None:
+    cache = engine_cache()
+    keys = chunk_keys(NS, list(range(32)))
+    async with TieredKV(
+        config(tmp_path, cpu_chunks=2, nvme_chunks=8, write_policy=write_policy, selective_hits=1)
+    ) as kv:
+        await kv.register(NS, [cache])
+        await kv.store(NS, request_id="a", keys=[keys], block_ids=[list(range(8))])
+        await kv.finish_request("a")
+        await kv.load(NS, request_id="hit", keys=[keys], block_ids=[list(range(50, 58))], num_tokens=32)
+        await kv.drain()
+        await kv.store(NS, request_id="b", keys=[chunk_keys(NS, list(range(900, 932)))], block_ids=[list(range(8, 16))])
+        await kv.drain()
+        for layer in cache:
+            layer[50:58] = 0
+        assert await kv.load(NS, request_id="c", keys=[keys], block_ids=[list(range(50, 58))], num_tokens=32) == 32
+        assert same_blocks(cache, range(8), range(50, 58))
+        assert kv.statistics().hits.get("nvme", 0) == 2
