@@ -42,12 +42,13 @@ from tiered_kv.errors import (
     TieredKVError,
     TierError,
 )
-from tiered_kv.interfaces import CachePolicy, TierDriver, TransferOp
+from tiered_kv.interfaces import TierDriver, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
-from tiered_kv.registry import POLICIES, TIERS
+from tiered_kv.policy_factory import make_policy
+from tiered_kv.registry import TIERS
 from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler
 from tiered_kv.spans import cdiv, span_chunks, validate_window_span, window_span
 from tiered_kv.stats import KVEvent, KVEventKind, Statistics, TierUsage
@@ -270,17 +271,15 @@ class TieredKV:
             )
         for group in range(len(geometry.groups)):
             chunk_bytes = geometry.chunk_bytes(group)
-            make_policy = _policy_factory(policy.policy)
             cpu = self._tiers.cpu(namespace, group, chunk_bytes, cpu_slots)
             nvme = nvme_index = None
             if self.config.nvme is not None and nvme_slots:
                 nvme = await self._tiers.nvme(namespace, group, chunk_bytes, nvme_slots, self.config.nvme)
-                nvme_index = TierIndex("nvme", nvme_slots, make_policy(nvme_slots))
+                nvme_index = TierIndex("nvme", nvme_slots, make_policy(policy.policy, nvme_slots, clock=self._clock))
                 for key, slot in nvme.recovered().items():
                     nvme_index.restore(key, slot)
-            pool = _Pool(
-                namespace, group, policy, cpu, TierIndex("cpu", cpu_slots, make_policy(cpu_slots)), nvme, nvme_index
-            )
+            cpu_index = TierIndex("cpu", cpu_slots, make_policy(policy.policy, cpu_slots, clock=self._clock))
+            pool = _Pool(namespace, group, policy, cpu, cpu_index, nvme, nvme_index)
             self._pools[(namespace.fingerprint_hex, group)] = pool
             log.info(
                 "pool.opened",
@@ -699,6 +698,7 @@ class TieredKV:
 
     async def _to_nvme(self, pool: _Pool, keys: list[ChunkKey]) -> None:
         assert pool.nvme is not None and pool.nvme_index is not None
+        taken = len(keys)
         try:
             keys = [k for k in keys if pool.cpu_index.is_ready(k) and k not in pool.nvme_index]
             if not keys:
@@ -729,7 +729,7 @@ class TieredKV:
                 self._emit(pool, KVEventKind.STORED, "nvme", key)
             self._bytes["cpu->nvme"] += pool.chunk_bytes * len(keys)
         finally:
-            self._write_behind_budget.give(len(keys))
+            self._write_behind_budget.give(taken)
 
     async def _spill(self, pool: _Pool, evicted: list[tuple[ChunkKey, int]]) -> None:
         """Write-back: copy chunks the cpu tier just evicted to nvme before their slots are
@@ -871,19 +871,17 @@ class TieredKV:
         pool.nvme.forget([pool.nvme_index.drop(key) for key in keys])
 
     def _transfer_failed(self, path: str, pool: _Pool, request_id: str | None, exc: TierError) -> None:
+        # Background copies (write-behind, promotions) serve no single request; theirs is
+        # whatever the contextvars of the task that started them say.
+        fields = {"request_id": request_id} if request_id is not None else {}
         log.warning(
             "transfer.failed",
             path=path,
             namespace=pool.fingerprint,
-            request_id=request_id,
             error=str(exc),
             reason=type(exc).__name__,
+            **fields,
         )
-
-
-def _policy_factory(name: str) -> Callable[[int], CachePolicy]:
-    factory: Callable[[int], CachePolicy] = POLICIES.get(name)  # type: ignore[assignment]
-    return factory
 
 
 class RegistryTiers:
