@@ -392,3 +392,20 @@ async def test_repr_shows_tier_usage(h: Harness) -> None:
     await h.store(keys_for(3))
     await h.kv.finish_request("r")
     assert repr(h.kv).startswith("<TieredKV cpu=3/8 nvme=")
+
+
+async def test_a_chunk_evicted_from_nvme_before_its_promotion_starts_is_a_miss() -> None:
+    harness = await open_harness(config(cpu_chunks=1, nvme_chunks=4))
+    keys = keys_for(1)
+    await harness.store(keys)
+    await harness.kv.drain()  # on nvme now
+    await harness.store(keys_for(1, start=70_000), offset=100)
+    await harness.kv.drain()  # and out of cpu
+    load = asyncio.ensure_future(harness.load(keys))
+    await asyncio.sleep(0)  # the load has started the promotion task, which has not run yet
+    (pool,) = harness.kv._pools.values()
+    assert pool.nvme_index is not None
+    pool.nvme_index.drop(keys[0])  # an nvme eviction wins the race
+    assert await load == 0
+    harness.kv.check_invariants()
+    await harness.kv.close()

@@ -514,13 +514,20 @@ class TieredKV:
     async def _promote(self, pool: _Pool, key: ChunkKey) -> bool:
         """Read one chunk nvme → cpu (shared by every load that needs it); True when READY."""
         assert pool.nvme is not None and pool.nvme_index is not None
+        if not pool.nvme_index.is_ready(key):
+            return False  # evicted from nvme between the lookup and this task's start
+        if pool.cpu_index.is_ready(key):
+            return True  # another path brought it in meanwhile
+        if key in pool.cpu_index:
+            return False  # a store of it is in flight: not a hit yet
+        nvme_slot = pool.nvme_index.pin(key)
         reservation = pool.cpu_index.reserve([key])
         if reservation is None:
+            pool.nvme_index.unpin(key)
             log.info("tier.full", tier="cpu", namespace=pool.fingerprint, reason="promotion")
             return False
         self._evicted(pool, "cpu", reservation.evicted)
         slot = reservation.slots[key]
-        nvme_slot = pool.nvme_index.pin(key)
         try:
             await self._spill(pool, reservation.evicted)
             async with self._gate.hold(LOAD_PRIORITY):

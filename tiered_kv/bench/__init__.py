@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from tiered_kv.bench.models import add_model_arguments
 from tiered_kv.bench.report import Progress, Table
 
 SCHEMA_VERSION = 1
@@ -43,8 +44,9 @@ def _sections() -> list[BenchSection]:
     from tiered_kv.bench.overhead import OverheadSection
     from tiered_kv.bench.policies import PoliciesSection
     from tiered_kv.bench.tiers import TiersSection
+    from tiered_kv.bench.workload import WorkloadSection
 
-    return [TiersSection(), PoliciesSection(), OverheadSection(), KeysSection()]
+    return [TiersSection(), WorkloadSection(), PoliciesSection(), OverheadSection(), KeysSection()]
 
 
 def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]] = _sections) -> None:
@@ -62,6 +64,10 @@ def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]]
         help=f"sections to run, in order (default: all of {', '.join(s.name for s in all_sections)})",
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--nvme-dir", type=Path, metavar="DIR", help="where disk tiers and probes put their files (default: a temp dir)"
+    )
+    add_model_arguments(parser.add_argument_group("model shape"))
     for section in all_sections:
         section.add_arguments(parser.add_argument_group(f"{section.name} section"))
 

@@ -18,6 +18,7 @@ def _full(layers: int, heads: int, head_dim: int) -> KVGroup:
 
 PRESETS: dict[str, tuple[str, tuple[KVGroup, ...], int]] = {
     # name: (model id, KV groups, GPU block size in tokens)
+    "llama-1b": ("meta-llama/Llama-3.2-1B", (_full(16, 8, 64),), 16),
     "llama-8b": ("meta-llama/Llama-3.1-8B", (_full(32, 8, 128),), 16),
     # 80 layers x 8 KV heads; one rank of TP=8 holds one head.
     "llama-70b": ("meta-llama/Llama-3.1-70B", (_full(80, 1, 128),), 16),
@@ -41,7 +42,7 @@ PRESETS: dict[str, tuple[str, tuple[KVGroup, ...], int]] = {
 
 def add_model_arguments(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument(
-        "--model", choices=[*PRESETS, "custom"], default="llama-8b", help="KV shape preset (default llama-8b)"
+        "--model", choices=[*PRESETS, "custom"], default="llama-1b", help="KV shape preset (default llama-1b)"
     )
     parser.add_argument("--layers", type=int, help="custom: layers")
     parser.add_argument("--kv-heads", type=int, help="custom: KV heads per rank")

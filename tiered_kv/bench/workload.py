@@ -1,0 +1,171 @@
+"""Bench section ``workload``: seeded traces replayed through a real ``TieredKV``.
+
+Each trace (multi-turn chat, RAG over a Zipf-popular document set, chat and RAG polluted
+by long one-off scans) is served request by request, as an engine would: look up the
+prompt's chunks, load the hits into GPU blocks (the CPU stand-in of the gpu tier here),
+then store the prompt's chunks in batches as prefill would produce them, and finish the
+request. Real drivers move real bytes: a pinned-memory cpu tier and an nvme tier in a
+temporary directory (or ``--nvme-dir``).
+
+Time to first token is modelled: recomputing ``t`` tokens costs
+``t / --prefill-tokens-per-s``; a request served from cache pays the measured load time
+plus recomputing what missed. The gain is the ratio of the two totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+
+import torch
+
+from tiered_kv.bench import SectionResult
+from tiered_kv.bench.models import namespace_from_args
+from tiered_kv.bench.report import Progress, Table
+from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
+from tiered_kv.manager import TieredKV
+from tiered_kv.namespace import Namespace
+from tiered_kv.traces import CHUNK_TOKENS, TraceRequest, distinct_chunks, standard_traces
+
+TRACES = ("chat", "rag", "scan_polluted")
+#: Chunks a request stores per call, as prefill produces them.
+STORE_BATCH = 16
+#: GPU blocks the stand-in engine owns, in chunks; block tables wrap around them.
+ENGINE_CHUNKS = 32
+
+
+class WorkloadSection:
+    name = "workload"
+    summary = "trace replay through TieredKV: hit rate per tier, tokens from cache, TTFT gain"
+
+    def add_arguments(self, parser: argparse._ArgumentGroup) -> None:
+        parser.add_argument(
+            "--workload-requests", type=int, default=100, help="requests per single-workload trace (default 100)"
+        )
+        parser.add_argument(
+            "--prefill-tokens-per-s",
+            type=float,
+            default=10_000.0,
+            help="modelled prefill speed for recomputed tokens (default 10000)",
+        )
+        parser.add_argument("--cpu-fraction", type=float, default=0.1, help="cpu tier / working set (default 0.1)")
+        parser.add_argument("--nvme-fraction", type=float, default=0.4, help="nvme tier / working set (default 0.4)")
+
+    def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
+        namespace = namespace_from_args(args)
+        if namespace.geometry.chunk_size != CHUNK_TOKENS:
+            raise ValueError(f"the traces are built of {CHUNK_TOKENS}-token chunks; use --chunk-tokens {CHUNK_TOKENS}")
+        if len(namespace.geometry.groups) != 1:
+            raise ValueError("the workload replay drives single-group models; pick another --model")
+        traces = standard_traces(7, scale=args.workload_requests / 4000)
+        results = []
+        for i, name in enumerate(TRACES):
+            progress.step(i, len(TRACES), name)
+            results.append(asyncio.run(_replay(name, traces[name], namespace, args)))
+        progress.step(len(TRACES), len(TRACES), "done")
+        rows = [
+            [
+                str(r["trace"]),
+                f"{r['requests']:,}",
+                f"{r['hit_rate_cpu']:.3f}",
+                f"{r['hit_rate_nvme']:.3f}",
+                f"{r['tokens_from_cache']:,}",
+                f"{r['ttft_recompute_ms']:.1f}",
+                f"{r['ttft_cached_ms']:.1f}",
+                f"{r['ttft_speedup']:.2f}x",
+            ]
+            for r in results
+        ]
+        table = Table(
+            title=(
+                f"workload: {namespace.model_id}, {namespace.geometry.chunk_bytes() / 2**20:.1f} MiB chunks, "
+                f"cpu {args.cpu_fraction:.0%} / nvme {args.nvme_fraction:.0%} of each working set, "
+                f"prefill {args.prefill_tokens_per_s:,.0f} tok/s"
+            ),
+            headers=[
+                "trace",
+                "requests",
+                "hit cpu",
+                "hit nvme",
+                "tokens cached",
+                "TTFT recompute ms",
+                "TTFT ms",
+                "gain",
+            ],
+            rows=rows,
+            note="TTFT: mean per request; cached = measured load time + modelled recompute of the misses",
+        )
+        return SectionResult(payload={"model": namespace.model_id, "traces": results}, tables=[table])
+
+
+async def _replay(
+    name: str, requests: list[TraceRequest], namespace: Namespace, args: argparse.Namespace
+) -> dict[str, float | int | str]:
+    geometry = namespace.geometry
+    chunk_bytes = geometry.chunk_bytes()
+    working_set = distinct_chunks(requests)
+    cpu_chunks = max(STORE_BATCH, round(working_set * args.cpu_fraction))
+    nvme_chunks = max(STORE_BATCH, round(working_set * args.nvme_fraction))
+    group = geometry.groups[0]
+    per_chunk = geometry.blocks_per_chunk
+    engine_blocks = ENGINE_CHUNKS * per_chunk
+    # The engine's paged cache, one tensor per layer; the bench only moves its bytes.
+    layer_block_bytes = geometry.block_bytes() // group.num_layers
+    kv_cache = [torch.zeros(engine_blocks, layer_block_bytes, dtype=torch.uint8) for _ in range(group.num_layers)]
+    with tempfile.TemporaryDirectory(dir=args.nvme_dir) as root:
+        config = TieredKVConfig(
+            cpu=CpuTierConfig(capacity_bytes=cpu_chunks * chunk_bytes),
+            nvme=NvmeTierConfig(root=root, capacity_bytes=nvme_chunks * chunk_bytes, io_depth=8),
+            default_policy=NamespacePolicyConfig(policy="lru", write_policy=WritePolicy.WRITE_BACK),
+        )
+        load_s = 0.0
+        lookups = tokens_cached = prompt_tokens = 0
+        async with TieredKV(config) as kv:
+            await kv.register(namespace, [kv_cache])
+            for i, request in enumerate(requests):
+                keys = list(request.keys)
+                table = [(c % ENGINE_CHUNKS) * per_chunk + b for c in range(len(keys)) for b in range(per_chunk)]
+                lookups += len(keys)
+                prompt_tokens += request.prompt_tokens
+                hit = kv.lookup(namespace, [keys])
+                if hit:
+                    started = time.perf_counter()
+                    loaded = await kv.load(
+                        namespace, request_id=str(i), keys=[keys], block_ids=[table], num_tokens=hit * CHUNK_TOKENS
+                    )
+                    load_s += time.perf_counter() - started
+                    tokens_cached += loaded
+                for start in range(hit, len(keys), STORE_BATCH):
+                    batch = slice(start, min(start + STORE_BATCH, len(keys)))
+                    await kv.store(
+                        namespace,
+                        request_id=str(i),
+                        keys=[keys[: batch.stop]],
+                        block_ids=[table[: batch.stop * per_chunk]],
+                    )
+                    # The engine reuses its blocks for the next batch: wait for their reads.
+                    await kv.finish_request(str(i))
+            await kv.drain()
+            stats = kv.statistics()
+    recompute_s = prompt_tokens / args.prefill_tokens_per_s
+    cached_s = load_s + (prompt_tokens - tokens_cached) / args.prefill_tokens_per_s
+    n = len(requests)
+    return {
+        "trace": name,
+        "requests": n,
+        "working_set_chunks": working_set,
+        "cpu_chunks": cpu_chunks,
+        "nvme_chunks": nvme_chunks,
+        "chunk_bytes": chunk_bytes,
+        "chunks_looked_up": lookups,
+        "hit_rate_cpu": stats.hits.get("cpu", 0) / lookups if lookups else 0.0,
+        "hit_rate_nvme": stats.hits.get("nvme", 0) / lookups if lookups else 0.0,
+        "tokens_from_cache": tokens_cached,
+        "prompt_tokens": prompt_tokens,
+        "load_s": load_s,
+        "ttft_recompute_ms": recompute_s * 1e3 / n,
+        "ttft_cached_ms": cached_s * 1e3 / n,
+        "ttft_speedup": recompute_s / cached_s if cached_s else float("inf"),
+    }
