@@ -13,6 +13,7 @@ import pytest
 from tiered_kv.bench import SectionResult, add_bench_parser
 from tiered_kv.bench.keys import KeysSection
 from tiered_kv.bench.report import Progress
+from tiered_kv.bench.schema import validate
 from tiered_kv.cli import main
 
 
@@ -74,3 +75,45 @@ def test_unknown_section_is_rejected(capsys: pytest.CaptureFixture[str]) -> None
         main(["bench", "nope"])
     assert caught.value.code == 2
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+SMALL = [
+    "--chunk-mib", "1",
+    "--tier-mem-mib", "4",
+    "--tier-disk-mib", "4",
+    "--tier-repeats", "1",
+    "--workload-requests", "6",
+    "--policy-entries", "2000",
+    "--policy-lookups", "2000",
+    "--policy-cycles", "2000",
+    "--policy-repeats", "1",
+    "--policy-trace-scale", "0.01",
+    "--overhead-requests", "20",
+    "--key-tokens", "1024",
+    "--key-repeats", "1",
+]  # fmt: skip
+
+
+def test_bare_bench_runs_every_section_and_its_json_matches_the_schema(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    code = main(["bench", *SMALL, "--nvme-dir", str(tmp_path), "--json", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    document = validate(out.read_bytes())
+    assert document.errors == []
+    assert document.tiers and {f.path for f in document.tiers} >= {"gpu->cpu", "cpu->gpu", "cpu->nvme", "nvme->cpu"}
+    assert all(
+        f.gbps > 0 and f.limit_gbps > 0 and f.ratio == pytest.approx(f.gbps / f.limit_gbps, rel=0.01, abs=0.005)
+        for f in document.tiers
+    )
+    assert document.workload and [t.trace for t in document.workload.traces] == ["chat", "rag", "scan_polluted"]
+    for trace in document.workload.traces:
+        assert 0 <= trace.hit_rate_cpu + trace.hit_rate_nvme <= 1
+        assert trace.tokens_from_cache <= trace.prompt_tokens
+    assert document.policies and document.policies.ops and document.policies.hit_rates
+    assert document.overhead and document.overhead.store_us_per_chunk > 0
+    assert document.keys and document.keys.cases
+    for title in ("tiers", "workload", "overhead", "keys"):
+        assert title in stdout

@@ -16,6 +16,7 @@ import numpy as np
 
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.report import Progress, Table
+from tiered_kv.bench.schema import KeysCase, KeysFigures
 from tiered_kv.keys import chunk_keys, chunk_keys_from_block_hashes
 from tiered_kv.layout import KVGeometry, KVGroup
 from tiered_kv.namespace import Namespace
@@ -61,13 +62,13 @@ class KeysSection:
                 times.append(time.perf_counter() - started)
             best, median = min(times), statistics.median(times)
             payload_cases.append(
-                {
-                    "input": label,
-                    "tokens": tokens,
-                    "ns_per_token_best": best * 1e9 / tokens,
-                    "ns_per_token_median": median * 1e9 / tokens,
-                    "tokens_per_s_median": tokens / median,
-                }
+                KeysCase(
+                    input=label,
+                    tokens=tokens,
+                    ns_per_token_best=best * 1e9 / tokens,
+                    ns_per_token_median=median * 1e9 / tokens,
+                    tokens_per_s_median=tokens / median,
+                )
             )
             rows.append(
                 [
@@ -86,11 +87,8 @@ class KeysSection:
             note="reference: vLLM reports 100-200 ns/token for SHA-256 prefix hashing",
         )
         return SectionResult(
-            payload={
-                "block_size": block_size,
-                "chunk_size": block_size * 16,
-                "repeats": repeats,
-                "cases": payload_cases,
-            },
+            payload=KeysFigures(
+                block_size=block_size, chunk_size=block_size * 16, repeats=repeats, cases=payload_cases
+            ),
             tables=[table],
         )

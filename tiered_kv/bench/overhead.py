@@ -15,6 +15,7 @@ import torch
 
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.report import Progress, Table
+from tiered_kv.bench.schema import OverheadFigures
 from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, TieredKVConfig, WritePolicy
 from tiered_kv.keys import chunk_keys
 from tiered_kv.layout import KVGeometry, KVGroup
@@ -40,11 +41,11 @@ class OverheadSection:
         rows = [
             [
                 "store (submit + finish)",
-                f"{figures['store_us_per_chunk']:.2f} us/chunk",
+                f"{figures.store_us_per_chunk:.2f} us/chunk",
                 f"<= {TARGET_US_PER_CHUNK:.0f}",
             ],
-            ["load (from cpu)", f"{figures['load_us_per_chunk']:.2f} us/chunk", f"<= {TARGET_US_PER_CHUNK:.0f}"],
-            ["lookup", f"{figures['lookup_keys_per_s'] / 1e6:.2f} M keys/s", ">= 1.00"],
+            ["load (from cpu)", f"{figures.load_us_per_chunk:.2f} us/chunk", f"<= {TARGET_US_PER_CHUNK:.0f}"],
+            ["lookup", f"{figures.lookup_keys_per_s / 1e6:.2f} M keys/s", ">= 1.00"],
         ]
         table = Table(
             title=f"overhead: null copy, {args.overhead_requests} concurrent requests x {args.overhead_chunks} chunks",
@@ -54,7 +55,7 @@ class OverheadSection:
         return SectionResult(payload=figures, tables=[table])
 
 
-async def measure(requests: int, chunks: int, progress: Progress) -> dict[str, float]:
+async def measure(requests: int, chunks: int, progress: Progress) -> OverheadFigures:
     namespace = Namespace(
         model_id="bench/overhead",
         model_revision="0",
@@ -101,10 +102,10 @@ async def measure(requests: int, chunks: int, progress: Progress) -> dict[str, f
             rounds += 1
         lookup_s = time.perf_counter() - started
         progress.step(3, 3, "done")
-    return {
-        "requests": requests,
-        "chunks_per_request": chunks,
-        "store_us_per_chunk": store_s * 1e6 / total,
-        "load_us_per_chunk": load_s * 1e6 / total,
-        "lookup_keys_per_s": rounds * len(flat) / lookup_s,
-    }
+    return OverheadFigures(
+        requests=requests,
+        chunks_per_request=chunks,
+        store_us_per_chunk=store_s * 1e6 / total,
+        load_us_per_chunk=load_s * 1e6 / total,
+        lookup_keys_per_s=rounds * len(flat) / lookup_s,
+    )

@@ -24,6 +24,7 @@ import torch
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.models import namespace_from_args
 from tiered_kv.bench.report import Progress, Table
+from tiered_kv.bench.schema import WorkloadFigures, WorkloadTrace
 from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
 from tiered_kv.manager import TieredKV
 from tiered_kv.namespace import Namespace
@@ -67,14 +68,14 @@ class WorkloadSection:
         progress.step(len(TRACES), len(TRACES), "done")
         rows = [
             [
-                str(r["trace"]),
-                f"{r['requests']:,}",
-                f"{r['hit_rate_cpu']:.3f}",
-                f"{r['hit_rate_nvme']:.3f}",
-                f"{r['tokens_from_cache']:,}",
-                f"{r['ttft_recompute_ms']:.1f}",
-                f"{r['ttft_cached_ms']:.1f}",
-                f"{r['ttft_speedup']:.2f}x",
+                r.trace,
+                f"{r.requests:,}",
+                f"{r.hit_rate_cpu:.3f}",
+                f"{r.hit_rate_nvme:.3f}",
+                f"{r.tokens_from_cache:,}",
+                f"{r.ttft_recompute_ms:.1f}",
+                f"{r.ttft_cached_ms:.1f}",
+                f"{r.ttft_speedup:.2f}x",
             ]
             for r in results
         ]
@@ -97,12 +98,15 @@ class WorkloadSection:
             rows=rows,
             note="TTFT: mean per request; cached = measured load time + modelled recompute of the misses",
         )
-        return SectionResult(payload={"model": namespace.model_id, "traces": results}, tables=[table])
+        figures = WorkloadFigures(
+            model=namespace.model_id, prefill_tokens_per_s=args.prefill_tokens_per_s, traces=results
+        )
+        return SectionResult(payload=figures, tables=[table])
 
 
 async def _replay(
     name: str, requests: list[TraceRequest], namespace: Namespace, args: argparse.Namespace
-) -> dict[str, float | int | str]:
+) -> WorkloadTrace:
     geometry = namespace.geometry
     chunk_bytes = geometry.chunk_bytes()
     working_set = distinct_chunks(requests)
@@ -152,20 +156,20 @@ async def _replay(
     recompute_s = prompt_tokens / args.prefill_tokens_per_s
     cached_s = load_s + (prompt_tokens - tokens_cached) / args.prefill_tokens_per_s
     n = len(requests)
-    return {
-        "trace": name,
-        "requests": n,
-        "working_set_chunks": working_set,
-        "cpu_chunks": cpu_chunks,
-        "nvme_chunks": nvme_chunks,
-        "chunk_bytes": chunk_bytes,
-        "chunks_looked_up": lookups,
-        "hit_rate_cpu": stats.hits.get("cpu", 0) / lookups if lookups else 0.0,
-        "hit_rate_nvme": stats.hits.get("nvme", 0) / lookups if lookups else 0.0,
-        "tokens_from_cache": tokens_cached,
-        "prompt_tokens": prompt_tokens,
-        "load_s": load_s,
-        "ttft_recompute_ms": recompute_s * 1e3 / n,
-        "ttft_cached_ms": cached_s * 1e3 / n,
-        "ttft_speedup": recompute_s / cached_s if cached_s else float("inf"),
-    }
+    return WorkloadTrace(
+        trace=name,
+        requests=n,
+        working_set_chunks=working_set,
+        cpu_chunks=cpu_chunks,
+        nvme_chunks=nvme_chunks,
+        chunk_bytes=chunk_bytes,
+        chunks_looked_up=lookups,
+        hit_rate_cpu=stats.hits.get("cpu", 0) / lookups if lookups else 0.0,
+        hit_rate_nvme=stats.hits.get("nvme", 0) / lookups if lookups else 0.0,
+        tokens_from_cache=tokens_cached,
+        prompt_tokens=prompt_tokens,
+        load_s=load_s,
+        ttft_recompute_ms=recompute_s * 1e3 / n,
+        ttft_cached_ms=cached_s * 1e3 / n,
+        ttft_speedup=recompute_s / cached_s,
+    )

@@ -1,0 +1,108 @@
+"""The bench's JSON document, schema version 1, as typed records.
+
+``tiered-kv bench --json PATH`` writes one :class:`BenchDocument`; sections that were
+not run are absent. Units are in the field names (``gbps`` = 10⁹ bytes per second,
+``_ms``, ``_us_per_chunk``, ``ns_per_token``, ``_per_s``); rates and ratios without a
+unit are fractions in [0, 1] (``hit_rate``) or plain ratios (``ratio``, ``ttft_speedup``).
+:func:`validate` checks a written document against this schema.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tiered_kv.bench.tiers import TierFigure
+
+
+class HitRate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    trace: str
+    capacity_chunks: int
+    policy: str
+    hit_rate: float
+
+
+class PolicyOps(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    policy: str
+    entries: int
+    lookups_per_s: float
+    insert_evict_per_s: float
+    bytes_per_entry: float
+
+
+class PolicyFigures(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    hit_rates: list[HitRate]
+    ops: list[PolicyOps]
+
+
+class WorkloadTrace(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    trace: str
+    requests: int
+    working_set_chunks: int
+    cpu_chunks: int
+    nvme_chunks: int
+    chunk_bytes: int
+    chunks_looked_up: int
+    #: Fraction of looked-up chunks served from each tier.
+    hit_rate_cpu: float
+    hit_rate_nvme: float
+    tokens_from_cache: int
+    prompt_tokens: int
+    #: Measured wall time of every load, summed.
+    load_s: float
+    #: Modelled mean time to first token when every token is recomputed.
+    ttft_recompute_ms: float
+    #: Mean time to first token with the cache: measured loads + modelled recompute of misses.
+    ttft_cached_ms: float
+    ttft_speedup: float
+
+
+class WorkloadFigures(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    prefill_tokens_per_s: float
+    traces: list[WorkloadTrace]
+
+
+class OverheadFigures(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    requests: int
+    chunks_per_request: int
+    store_us_per_chunk: float
+    load_us_per_chunk: float
+    lookup_keys_per_s: float
+
+
+class KeysCase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    input: str
+    tokens: int
+    ns_per_token_best: float
+    ns_per_token_median: float
+    tokens_per_s_median: float
+
+
+class KeysFigures(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    block_size: int
+    chunk_size: int
+    repeats: int
+    cases: list[KeysCase]
+
+
+class BenchError(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    section: str
+    error: str
+
+
+class BenchDocument(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    schema: int
+    errors: list[BenchError]
+    tiers: list[TierFigure] | None = None
+    workload: WorkloadFigures | None = None
+    policies: PolicyFigures | None = None
+    overhead: OverheadFigures | None = None
+    keys: KeysFigures | None = None
+
+
+def validate(data: bytes) -> BenchDocument:
+    """Decode a bench JSON document; ``msgspec.ValidationError`` names what does not fit."""
+    document = msgspec.json.decode(data, type=BenchDocument)
+    if document.schema != 1:
+        raise msgspec.ValidationError(f"unknown schema version {document.schema}")
+    return document
