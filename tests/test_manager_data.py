@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -254,3 +255,22 @@ async def test_write_policies_put_bytes_on_nvme_that_load_back(tmp_path: Path, w
         assert await kv.load(NS, request_id="c", keys=[keys], block_ids=[list(range(50, 58))], num_tokens=32) == 32
         assert same_blocks(cache, range(8), range(50, 58))
         assert kv.statistics().hits.get("nvme", 0) == 2
+
+
+def test_the_debugging_example_logs_the_rejected_span() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "debug_events.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(line) for line in result.stderr.splitlines()]
+    rejected = [e for e in events if e["event"] == "load.rejected"]
+    assert len(rejected) == 1 and rejected[0]["request_id"] == "C" and "130 pending blocks" in rejected[0]["error"]
+    (done,) = [e for e in events if e["event"] == "load.done"]
+    assert (done["request_id"], done["n_tokens"], done["chunks_from_cpu"]) == ("B", 5000, 37)
+    stored = [e for e in events if e["event"] == "store.done"]
+    assert {e["request_id"] for e in stored} == {"A"}  # bound through contextvars in the background task

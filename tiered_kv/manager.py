@@ -376,14 +376,23 @@ class TieredKV:
             return 0
         log.debug("load.started", namespace=pools[0].fingerprint, request_id=request_id, n_tokens=num_tokens)
         self._loads_in_flight += 1
+        sources: collections.Counter[str] = collections.Counter()
         try:
-            loaded = await self._run_load(namespace.tp_rank, plans, request_id, num_tokens)
+            loaded = await self._run_load(namespace.tp_rank, plans, request_id, num_tokens, sources)
         finally:
             self._loads_in_flight -= 1
         if loaded < num_tokens:
             self._rejected["transfer"] += 1
         ms = (self._clock() - started) * 1e3
-        log.debug("load.done", namespace=pools[0].fingerprint, request_id=request_id, n_tokens=loaded, ms=ms)
+        log.debug(
+            "load.done",
+            namespace=pools[0].fingerprint,
+            request_id=request_id,
+            n_tokens=loaded,
+            chunks_from_cpu=sources["cpu"],
+            chunks_from_nvme=sources["nvme"],
+            ms=ms,
+        )
         return loaded
 
     def _plan_load(self, pool: _Pool, keys: Sequence[ChunkKey], block_ids: Sequence[int], num_tokens: int) -> _LoadPlan:
@@ -419,7 +428,9 @@ class TieredKV:
             cursor += count
         return _LoadPlan(pool, plan_keys, plan_blocks, firsts)
 
-    async def _run_load(self, rank: int, plans: list[_LoadPlan], request_id: str, num_tokens: int) -> int:
+    async def _run_load(
+        self, rank: int, plans: list[_LoadPlan], request_id: str, num_tokens: int, sources: collections.Counter[str]
+    ) -> int:
         """Stage every plan's chunks in cpu, copy what was staged to the GPU; tokens loaded.
 
         Full-attention groups keep their good prefix; a sliding-window group's chunks are
@@ -428,7 +439,10 @@ class TieredKV:
         pinned: list[tuple[_Pool, ChunkKey]] = []
         try:
             pending = [self._start_stage(plan, pinned) for plan in plans]  # every promotion starts now
-            staged = [await self._finish_stage(plan, steps, pinned) for plan, steps in zip(plans, pending, strict=True)]
+            staged = [
+                await self._finish_stage(plan, steps, pinned, sources)
+                for plan, steps in zip(plans, pending, strict=True)
+            ]
             windowed = [plan.pool.kind is AttentionKind.SLIDING_WINDOW for plan in plans]
             complete = [len(slots) == len(plan.keys) for plan, slots in zip(plans, staged, strict=True)]
             if any(windowed) and not all(complete):
@@ -491,6 +505,7 @@ class TieredKV:
         plan: _LoadPlan,
         steps: list[tuple[ChunkKey, asyncio.Task[bool] | None]],
         pinned: list[tuple[_Pool, ChunkKey]],
+        sources: collections.Counter[str],
     ) -> list[int]:
         """Wait for the promotions and pin what they brought in; the cpu slots of the
         leading chunks that are staged, in order."""
@@ -505,7 +520,9 @@ class TieredKV:
             entry = pool.cpu_index.get(key)
             assert entry is not None
             slots.append(entry.slot)
-            self._hits["nvme" if task is not None else "cpu"] += 1
+            tier = "nvme" if task is not None else "cpu"
+            self._hits[tier] += 1
+            sources[tier] += 1
             hits = pool.cpu_index.hit(key)
             if pool.policy.write_policy is WritePolicy.SELECTIVE and hits >= pool.policy.selective_hits:
                 self._write_behind(pool, [key])
