@@ -409,3 +409,50 @@ async def test_a_chunk_evicted_from_nvme_before_its_promotion_starts_is_a_miss()
     assert await load == 0
     harness.kv.check_invariants()
     await harness.kv.close()
+
+
+async def test_tenants_of_one_model_share_its_tiers_but_never_each_others_chunks() -> None:
+    tiers = NullTiers()
+    async with TieredKV(config(), tiers=tiers) as kv:
+        await kv.register(NS, gpu_tensors())
+        alice, bob = make_namespace(cache_salt="alice"), make_namespace(cache_salt="bob")
+        prompt = list(range(64))
+        alice_keys, bob_keys = chunk_keys(alice, prompt), chunk_keys(bob, prompt)
+        await kv.store(alice, request_id="a", keys=[alice_keys], block_ids=[blocks_for(4)])
+        await kv.finish_request("a")
+        assert kv.lookup(alice, [alice_keys]) == 4
+        assert kv.lookup(bob, [bob_keys]) == 0  # same prompt, other tenant: a miss
+        assert len(tiers.made["cpu"]) == 1  # one slab for the model, shared
+        events = kv.drain_events()
+        assert {e.namespace for e in events if e.tier == "cpu"} == {alice.fingerprint_hex}
+
+
+async def test_a_tenant_under_its_quota_keeps_its_chunks_through_another_tenants_scan() -> None:
+    quota = NamespacePolicyConfig(quota_chunks={"cpu": 3}, write_policy=WritePolicy.WRITE_BACK)
+    cfg = TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=CHUNK * 8), default_policy=quota)
+    async with TieredKV(cfg, tiers=NullTiers()) as kv:
+        await kv.register(NS, gpu_tensors())
+        gold, scanner = make_namespace(cache_salt="gold"), make_namespace(cache_salt="scanner")
+        gold_keys = chunk_keys(gold, list(range(48)))
+        await kv.store(gold, request_id="g", keys=[gold_keys], block_ids=[blocks_for(3)])
+        await kv.finish_request("g")
+        for i in range(40):  # a long one-off scan, a chunk at a time
+            key = chunk_keys(scanner, list(range(i * 16, i * 16 + 16)), group=0)
+            result = await kv.store(scanner, request_id=f"s{i}", keys=[key], block_ids=[blocks_for(1, 100)])
+            assert not result.rejected
+            await kv.finish_request(f"s{i}")
+        assert kv.lookup(gold, [gold_keys]) == 3
+        kv.check_invariants()
+
+
+async def test_a_quota_that_no_longer_fits_is_dropped_with_a_warning() -> None:
+    quota = NamespacePolicyConfig(quota_chunks={"cpu": 5})
+    cfg = TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=CHUNK * 8), default_policy=quota)
+    async with TieredKV(cfg, tiers=NullTiers()) as kv:
+        await kv.register(NS, gpu_tensors())  # the model's own share takes 5 of 8
+        tenant = make_namespace(cache_salt="late")
+        with capture_logs() as events:
+            await kv.store(tenant, request_id="t", keys=[keys_for(1, ns=tenant)], block_ids=[blocks_for(1)])
+        assert [e["tier"] for e in events if e["event"] == "quota.unavailable"] == ["cpu"]
+        await kv.finish_request("t")
+        assert kv.lookup(tenant, [keys_for(1, ns=tenant)]) == 1

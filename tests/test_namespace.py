@@ -140,3 +140,11 @@ def test_namespace_is_frozen() -> None:
     with pytest.raises(AttributeError):
         ns.model_id = "other"  # type: ignore[misc]
     assert isinstance(ns, Namespace)
+
+
+def test_base_drops_only_the_tenant_fields() -> None:
+    tenant = make_namespace(lora_id="adapter", cache_salt="salt")
+    assert tenant.base == make_namespace()
+    assert tenant.base.fingerprint != tenant.fingerprint
+    plain = make_namespace()
+    assert plain.base is plain

@@ -57,11 +57,15 @@ class NvmeTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 class NamespacePolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How one namespace's chunks are kept: eviction policy, quotas and write policy."""
+    """How a model's chunks are kept: eviction policy, quotas, write policy, tier budgets.
+
+    A model's tenants (namespaces that differ only in LoRA adapter or cache salt) share
+    its tiers; each gets its own instance of ``policy`` and its own ``quota_chunks``.
+    """
 
     #: A name registered in the ``tiered_kv.policies`` group.
     policy: str = "lru"
-    #: Chunks this namespace keeps per tier even under other namespaces' pressure.
+    #: Chunks per tier that each tenant keeps even under other tenants' pressure.
     quota_chunks: dict[str, int] = msgspec.field(default_factory=dict)
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     selective_hits: int = 2

@@ -1,19 +1,24 @@
-"""The residency index of one tier of one pool: key → slot, state and pins.
+"""The residency index of one tier of one pool: key → slot, owner, state and pins.
 
 Synchronous and consistent at every ``await`` of its callers: a chunk is PENDING while
 bytes move into its slot and READY once they are all there; only READY chunks are hits,
 and only unpinned READY chunks can be evicted. Eviction is all-or-nothing: making room
 for n chunks either frees n victims or changes nothing.
+
+The tier's slots are shared by the namespaces (tenants) of the pool through a
+:class:`~tiered_kv.partition.TierPartition`: each namespace has its own policy instance
+and, optionally, a quota of chunks another namespace's traffic cannot take.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 from tiered_kv.errors import TieredKVError
-from tiered_kv.interfaces import CachePolicy
 from tiered_kv.keys import ChunkKey
+from tiered_kv.partition import TierPartition
 from tiered_kv.slots import SlotAllocator
 
 
@@ -23,18 +28,28 @@ class State(enum.Enum):
 
 
 class Residency:
-    """Where one chunk lives in one tier."""
+    """Where one chunk lives in one tier, and which namespace's share it counts in."""
 
-    __slots__ = ("hits", "pins", "slot", "state")
+    __slots__ = ("hits", "owner", "pins", "slot", "state")
 
-    def __init__(self, slot: int) -> None:
+    def __init__(self, slot: int, owner: str) -> None:
         self.slot = slot
+        self.owner = owner
         self.state = State.PENDING
         self.pins = 0
         self.hits = 0
 
     def __repr__(self) -> str:
-        return f"Residency(slot={self.slot}, state={self.state.value}, pins={self.pins}, hits={self.hits})"
+        return (
+            f"Residency(slot={self.slot}, owner={self.owner[:8]}, state={self.state.value}, "
+            f"pins={self.pins}, hits={self.hits})"
+        )
+
+
+class Victim(NamedTuple):
+    key: ChunkKey
+    slot: int
+    owner: str
 
 
 class Reservation:
@@ -42,22 +57,27 @@ class Reservation:
 
     __slots__ = ("evicted", "slots")
 
-    def __init__(self, slots: dict[ChunkKey, int], evicted: list[tuple[ChunkKey, int]]) -> None:
+    def __init__(self, slots: dict[ChunkKey, int], evicted: list[Victim]) -> None:
         self.slots = slots
         self.evicted = evicted
 
 
 class TierIndex:
-    """Keys resident in one tier: slots, PENDING/READY state, pins, and the eviction order."""
+    """Keys resident in one tier: slots, owners, PENDING/READY state, pins, and the
+    per-namespace eviction order and quotas of the tier's partition."""
 
-    def __init__(self, tier: str, num_slots: int, policy: CachePolicy) -> None:
+    def __init__(self, tier: str, partition: TierPartition) -> None:
         self.tier = tier
-        self._allocator = SlotAllocator(num_slots)
+        self._allocator = SlotAllocator(partition.capacity)
         self._entries: dict[ChunkKey, Residency] = {}
-        self._policy = policy
+        self._partition = partition
         self._pinned = 0
 
     # -- reading -----------------------------------------------------------------------
+    @property
+    def partition(self) -> TierPartition:
+        return self._partition
+
     @property
     def num_slots(self) -> int:
         return self._allocator.num_slots
@@ -74,6 +94,10 @@ class TierIndex:
     def get(self, key: ChunkKey) -> Residency | None:
         return self._entries.get(key)
 
+    def owner(self, key: ChunkKey) -> str:
+        """The namespace whose share ``key`` counts in."""
+        return self._require(key).owner
+
     def is_ready(self, key: ChunkKey) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.state is State.READY
@@ -88,31 +112,30 @@ class TierIndex:
         return iter(self._entries.items())
 
     # -- deciding ----------------------------------------------------------------------
-    def reserve(self, keys: Iterable[ChunkKey], *, evict: bool = True) -> Reservation | None:
-        """PENDING slots for ``keys`` (none of them resident), evicting unpinned READY
-        chunks when needed; ``None``, changing nothing, when there is no room."""
+    def reserve(self, keys: Iterable[ChunkKey], owner: str) -> Reservation | None:
+        """PENDING slots for ``keys`` (none of them resident) in ``owner``'s share,
+        evicting unpinned READY chunks the partition allows; ``None``, changing nothing,
+        when there is no room."""
         wanted = list(dict.fromkeys(keys))
         for key in wanted:
             if key in self._entries:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
-        shortfall = len(wanted) - self._allocator.free
-        evicted: list[tuple[ChunkKey, int]] = []
-        if shortfall > 0:
-            if not evict:
-                return None
-            victims = self._policy.evict(shortfall, self._is_protected)
-            if victims is None:
-                return None
-            for victim in victims:
+        victims = self._partition.make_room(owner, len(wanted), self._is_protected)
+        if victims is None:
+            return None
+        evicted = []
+        for victim_owner, victim_keys in victims.items():
+            for victim in victim_keys:
                 entry = self._entries.pop(victim)
                 self._allocator.release(entry.slot)
-                evicted.append((victim, entry.slot))
+                evicted.append(Victim(victim, entry.slot, victim_owner))
         slots = self._allocator.allocate(len(wanted))
-        if slots is None:  # pragma: no cover - the eviction above made exactly enough room
+        if slots is None:  # pragma: no cover - make_room made exactly enough room
             raise TieredKVError(f"{self.tier}: allocator lost track of free slots")
         reserved = dict(zip(wanted, slots, strict=True))
         for key, slot in reserved.items():
-            self._entries[key] = Residency(slot)
+            self._entries[key] = Residency(slot, owner)
+            self._partition.insert(owner, key)
         return Reservation(reserved, evicted)
 
     def _is_protected(self, key: ChunkKey) -> bool:
@@ -125,7 +148,6 @@ class TierIndex:
         if entry.state is State.READY:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already ready")
         entry.state = State.READY
-        self._policy.insert(key)
 
     def drop(self, key: ChunkKey) -> int:
         """Forget an unpinned chunk (a failed write, or an explicit removal); its slot."""
@@ -133,26 +155,25 @@ class TierIndex:
         if entry.pins:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is pinned ({entry.pins})")
         del self._entries[key]
-        if entry.state is State.READY:
-            self._policy.remove(key)
+        self._partition.remove(entry.owner, key)
         self._allocator.release(entry.slot)
         return entry.slot
 
-    def restore(self, key: ChunkKey, slot: int) -> None:
+    def restore(self, key: ChunkKey, slot: int, owner: str) -> None:
         """Record a READY chunk already held in ``slot`` (warm restart)."""
         if key in self._entries:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         self._allocator.claim(slot)
-        entry = Residency(slot)
+        entry = Residency(slot, owner)
         self._entries[key] = entry
         entry.state = State.READY
-        self._policy.insert(key)
+        self._partition.insert(owner, key)
 
     def hit(self, key: ChunkKey) -> int:
         """Count a hit on a READY chunk; the new hit count."""
         entry = self._require(key)
         entry.hits += 1
-        self._policy.touch(key)
+        self._partition.touch(entry.owner, key)
         return entry.hits
 
     def pin(self, key: ChunkKey) -> int:
@@ -183,9 +204,13 @@ class TierIndex:
             raise TieredKVError(f"{self.tier}: two chunks share a slot")
         if len(slots) != self._allocator.used:
             raise TieredKVError(f"{self.tier}: {len(slots)} chunks but {self._allocator.used} slots used")
-        ready = sum(1 for entry in self._entries.values() if entry.state is State.READY)
-        if ready != len(self._policy):
-            raise TieredKVError(f"{self.tier}: {ready} ready chunks but the policy orders {len(self._policy)}")
+        if self._partition.used != len(self._entries):
+            raise TieredKVError(
+                f"{self.tier}: {len(self._entries)} chunks but the partition counts {self._partition.used}"
+            )
+        for key, entry in self._entries.items():
+            if not self._partition.contains(entry.owner, key):
+                raise TieredKVError(f"{self.tier}: chunk {key.hex()} is missing from its owner's policy")
         if any(entry.pins < 0 for entry in self._entries.values()):
             raise TieredKVError(f"{self.tier}: negative pin count")
         if self._pinned != sum(1 for entry in self._entries.values() if entry.pins):

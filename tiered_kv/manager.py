@@ -34,7 +34,7 @@ import torch
 from structlog.contextvars import bound_contextvars
 
 from tiered_kv.config import NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
-from tiered_kv.directory import Reservation, TierIndex
+from tiered_kv.directory import Reservation, TierIndex, Victim
 from tiered_kv.errors import (
     ConfigError,
     CorruptChunk,
@@ -47,7 +47,7 @@ from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
-from tiered_kv.policy_factory import make_policy
+from tiered_kv.partition import TierPartition
 from tiered_kv.registry import TIERS
 from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler
 from tiered_kv.spans import cdiv, span_chunks, validate_window_span, window_span
@@ -94,7 +94,8 @@ class StoreResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Pool:
-    """One namespace fingerprint × KV group: a cpu slab, maybe an nvme store, their indexes."""
+    """One model runner's KV group (a base namespace × group): a cpu slab, maybe an nvme
+    store, their indexes, shared by the runner's tenants (LoRA adapters, cache salts)."""
 
     def __init__(
         self,
@@ -122,6 +123,8 @@ class _Pool:
         self.nvme = nvme
         self.nvme_index = nvme_index
         self.gpus: dict[int, TierDriver] = {}
+        #: Tenant namespaces (fingerprints) that have a share in this pool's partitions.
+        self.owners: set[str] = set()
 
     def ready_anywhere(self, key: ChunkKey) -> bool:
         return self.cpu_index.is_ready(key) or (self.nvme_index is not None and self.nvme_index.is_ready(key))
@@ -133,8 +136,11 @@ class _Pool:
 class _StoreJob:
     """Chunks of one store call being copied out of one rank's GPU blocks."""
 
-    def __init__(self, pool: _Pool, rank: int, request_id: str, chunks: list[tuple[ChunkKey, tuple[int, ...]]]):
+    def __init__(
+        self, pool: _Pool, owner: str, rank: int, request_id: str, chunks: list[tuple[ChunkKey, tuple[int, ...]]]
+    ) -> None:
         self.pool = pool
+        self.owner = owner
         self.rank = rank
         self.request_id = request_id
         self.chunks = chunks
@@ -241,46 +247,51 @@ class TieredKV:
         geometry = namespace.geometry
         if len(kv_caches) != len(geometry.groups):
             raise ConfigError(f"{len(kv_caches)} tensor lists for {len(geometry.groups)} KV groups", field="kv_caches")
-        fingerprint = namespace.fingerprint_hex
-        if (fingerprint, 0) not in self._pools:
-            await self._open_pools(namespace)
+        base = namespace.base
+        if (base.fingerprint_hex, 0) not in self._pools:
+            await self._open_pools(base)
         for group, tensors in enumerate(kv_caches):
-            pool = self._pools[(fingerprint, group)]
+            pool = self._pools[(base.fingerprint_hex, group)]
             if namespace.tp_rank in pool.gpus:
                 raise ConfigError(f"rank {namespace.tp_rank} of {namespace.model_id} is already registered")
-            pool.gpus[namespace.tp_rank] = self._tiers.gpu(namespace, group, tensors)
-        log.info("namespace.registered", namespace=fingerprint, model=namespace.model_id, rank=namespace.tp_rank)
+            pool.gpus[namespace.tp_rank] = self._tiers.gpu(base, group, tensors)
+        log.info(
+            "namespace.registered", namespace=base.fingerprint_hex, model=namespace.model_id, rank=namespace.tp_rank
+        )
 
-    async def _open_pools(self, namespace: Namespace) -> None:
-        policy = self.config.policy_for(namespace.model_id)
-        geometry = namespace.geometry
+    async def _open_pools(self, base: Namespace) -> None:
+        policy = self.config.policy_for(base.model_id)
+        geometry = base.geometry
         all_groups_bytes = sum(geometry.chunk_bytes(g) for g in range(len(geometry.groups)))
         cpu_budget = self._take_budget("cpu", policy.cpu_bytes, self._cpu_left)
-        self._cpu_left -= cpu_budget
         nvme_budget = 0
         if self.config.nvme is not None:
             nvme_budget = self._take_budget("nvme", policy.nvme_bytes, self._nvme_left)
-            self._nvme_left -= nvme_budget
         # Every group holds the same number of chunks: a token chunk is cached in all of them.
         cpu_slots = cpu_budget // all_groups_bytes
         nvme_slots = nvme_budget // all_groups_bytes
         if cpu_slots == 0:
             raise ConfigError(
-                f"cpu budget {cpu_budget} B cannot hold one chunk of {namespace.model_id} ({all_groups_bytes} B)",
+                f"cpu budget {cpu_budget} B cannot hold one chunk of {base.model_id} ({all_groups_bytes} B)",
                 field="cpu_bytes",
             )
+        self._cpu_left -= cpu_budget
+        self._nvme_left -= nvme_budget
         for group in range(len(geometry.groups)):
             chunk_bytes = geometry.chunk_bytes(group)
-            cpu = self._tiers.cpu(namespace, group, chunk_bytes, cpu_slots)
+            cpu = self._tiers.cpu(base, group, chunk_bytes, cpu_slots)
+            cpu_index = TierIndex("cpu", TierPartition("cpu", cpu_slots, clock=self._clock))
             nvme = nvme_index = None
             if self.config.nvme is not None and nvme_slots:
-                nvme = await self._tiers.nvme(namespace, group, chunk_bytes, nvme_slots, self.config.nvme)
-                nvme_index = TierIndex("nvme", nvme_slots, make_policy(policy.policy, nvme_slots, clock=self._clock))
+                nvme = await self._tiers.nvme(base, group, chunk_bytes, nvme_slots, self.config.nvme)
+                nvme_index = TierIndex("nvme", TierPartition("nvme", nvme_slots, clock=self._clock))
+            pool = _Pool(base, group, policy, cpu, cpu_index, nvme, nvme_index)
+            owner = self._owner(pool, base)
+            if nvme is not None and nvme_index is not None:
+                # A warm restart cannot tell which tenant stored a chunk: it counts in the base share.
                 for key, slot in nvme.recovered().items():
-                    nvme_index.restore(key, slot)
-            cpu_index = TierIndex("cpu", cpu_slots, make_policy(policy.policy, cpu_slots, clock=self._clock))
-            pool = _Pool(namespace, group, policy, cpu, cpu_index, nvme, nvme_index)
-            self._pools[(namespace.fingerprint_hex, group)] = pool
+                    nvme_index.restore(key, slot, owner)
+            self._pools[(base.fingerprint_hex, group)] = pool
             log.info(
                 "pool.opened",
                 namespace=pool.fingerprint,
@@ -290,6 +301,25 @@ class TieredKV:
                 recovered=len(nvme_index) if nvme_index is not None else 0,
             )
 
+    def _owner(self, pool: _Pool, namespace: Namespace) -> str:
+        """``namespace``'s share in the pool's partitions, added on its first use with the
+        policy and quotas of its model's config. A quota that no longer fits beside the
+        others' is dropped (logged as ``quota.unavailable``): the tenant shares the rest."""
+        owner = namespace.fingerprint_hex
+        if owner in pool.owners:
+            return owner
+        for index in (pool.cpu_index, pool.nvme_index):
+            if index is None:
+                continue
+            quota = pool.policy.quota_chunks.get(index.tier, 0)
+            try:
+                index.partition.add_namespace(owner, pool.policy.policy, quota=quota)
+            except ConfigError as exc:
+                log.warning("quota.unavailable", namespace=owner, tier=index.tier, quota=quota, error=str(exc))
+                index.partition.add_namespace(owner, pool.policy.policy)
+        pool.owners.add(owner)
+        return owner
+
     def _take_budget(self, tier: str, wanted: int | None, left: int) -> int:
         if wanted is None:
             return left
@@ -298,7 +328,7 @@ class TieredKV:
         return wanted
 
     def _pools_of(self, namespace: Namespace) -> list[_Pool]:
-        fingerprint = namespace.fingerprint_hex
+        fingerprint = namespace.base.fingerprint_hex
         pools = []
         for group in range(len(namespace.geometry.groups)):
             pool = self._pools.get((fingerprint, group))
@@ -538,7 +568,8 @@ class TieredKV:
         if key in pool.cpu_index:
             return False  # a store of it is in flight: not a hit yet
         nvme_slot = pool.nvme_index.pin(key)
-        reservation = pool.cpu_index.reserve([key])
+        owner = pool.nvme_index.owner(key)
+        reservation = pool.cpu_index.reserve([key], owner)
         if reservation is None:
             pool.nvme_index.unpin(key)
             log.info("tier.full", tier="cpu", namespace=pool.fingerprint, reason="promotion")
@@ -556,7 +587,7 @@ class TieredKV:
             entry = pool.nvme_index.get(key)
             if isinstance(exc, CorruptChunk) and entry is not None and not entry.pins:
                 self._drop_nvme(pool, [key])
-                self._emit(pool, KVEventKind.REMOVED, "nvme", key)
+                self._emit(pool, KVEventKind.REMOVED, "nvme", key, owner)
             return False
         except BaseException:
             pool.nvme_index.unpin(key)
@@ -566,7 +597,7 @@ class TieredKV:
         pool.nvme_index.hit(key)
         pool.cpu_index.mark_ready(key)
         self._bytes["nvme->cpu"] += pool.chunk_bytes
-        self._emit(pool, KVEventKind.STORED, "cpu", key)
+        self._emit(pool, KVEventKind.STORED, "cpu", key, owner)
         log.debug("chunk.promoted", namespace=pool.fingerprint, key=key.hex(), src="nvme", dst="cpu")
         return True
 
@@ -642,7 +673,8 @@ class TieredKV:
                 planned.append((pool, chunks))
             reservations: list[tuple[_Pool, Reservation]] = []
             for pool, chunks in planned:
-                reservation = pool.cpu_index.reserve(key for key, _ in chunks) if chunks else None
+                owner = self._owner(pool, namespace)
+                reservation = pool.cpu_index.reserve((key for key, _ in chunks), owner) if chunks else None
                 if chunks and reservation is None:
                     for done_pool, done in reservations:
                         for key in done.slots:
@@ -665,7 +697,7 @@ class TieredKV:
         self._store_budget.give(taken - submitted)
         for (pool, chunks), (_, reservation) in zip([(p, c) for p, c in planned if c], reservations, strict=True):
             self._evicted(pool, "cpu", reservation.evicted)
-            job = _StoreJob(pool, namespace.tp_rank, request_id, chunks)
+            job = _StoreJob(pool, namespace.fingerprint_hex, namespace.tp_rank, request_id, chunks)
             self._jobs.add(job)
             self._scheduler.spawn(
                 self._run_store(job, reservation.slots, reservation.evicted), name=f"store-{request_id}"
@@ -676,7 +708,7 @@ class TieredKV:
             log.debug("store.skipped", namespace=pools[0].fingerprint, request_id=request_id, n_chunks=skipped)
         return StoreResult(submitted=submitted, skipped=skipped)
 
-    async def _run_store(self, job: _StoreJob, slots: dict[ChunkKey, int], evicted: list[tuple[ChunkKey, int]]) -> None:
+    async def _run_store(self, job: _StoreJob, slots: dict[ChunkKey, int], evicted: list[Victim]) -> None:
         pool = job.pool
         started = self._clock()
         try:
@@ -698,7 +730,7 @@ class TieredKV:
             self._store_budget.give(len(job.chunks))
         for key, _ in job.chunks:
             pool.cpu_index.mark_ready(key)
-            self._emit(pool, KVEventKind.STORED, "cpu", key)
+            self._emit(pool, KVEventKind.STORED, "cpu", key, job.owner)
         self._bytes["gpu->cpu"] += pool.chunk_bytes * len(job.chunks)
         ms = (self._clock() - started) * 1e3
         log.debug("store.done", namespace=pool.fingerprint, request_id=job.request_id, n_chunks=len(job.chunks), ms=ms)
@@ -721,65 +753,54 @@ class TieredKV:
         self._scheduler.spawn(self._to_nvme(pool, keys), name="write-behind")
 
     async def _to_nvme(self, pool: _Pool, keys: list[ChunkKey]) -> None:
-        assert pool.nvme is not None and pool.nvme_index is not None
+        """Write-through and selective: copy READY cpu chunks to nvme, pinned meanwhile."""
+        assert pool.nvme_index is not None
         taken = len(keys)
+        pinned = [k for k in keys if pool.cpu_index.is_ready(k) and k not in pool.nvme_index]
         try:
-            keys = [k for k in keys if pool.cpu_index.is_ready(k) and k not in pool.nvme_index]
-            if not keys:
-                return
-            reservation = pool.nvme_index.reserve(keys)
-            if reservation is None:
-                log.info("tier.full", tier="nvme", namespace=pool.fingerprint, n_chunks=len(keys))
-                return
-            self._evicted(pool, "nvme", reservation.evicted)
-            ops = [
-                TransferOp(buffer=pool.cpu.view(pool.cpu_index.pin(key)), key=key, slot=reservation.slots[key])
-                for key in keys
-            ]
-            try:
-                await pool.nvme.write(ops)
-            except TierError as exc:
-                self._drop_nvme(pool, keys)
-                self._transfer_failed("cpu->nvme", pool, None, exc)
-                return
-            except BaseException:
-                self._drop_nvme(pool, keys)
-                raise
-            finally:
-                for key in keys:
-                    pool.cpu_index.unpin(key)
-            for key in keys:
-                pool.nvme_index.mark_ready(key)
-                self._emit(pool, KVEventKind.STORED, "nvme", key)
-            self._bytes["cpu->nvme"] += pool.chunk_bytes * len(keys)
+            chunks = [(key, pool.cpu_index.pin(key), pool.cpu_index.owner(key)) for key in pinned]
+            await self._write_nvme(pool, chunks)
         finally:
+            for key in pinned:
+                pool.cpu_index.unpin(key)
             self._write_behind_budget.give(taken)
 
-    async def _spill(self, pool: _Pool, evicted: list[tuple[ChunkKey, int]]) -> None:
+    async def _spill(self, pool: _Pool, evicted: list[Victim]) -> None:
         """Write-back: copy chunks the cpu tier just evicted to nvme before their slots are
         reused. Their bytes are still in the slots, which now belong to PENDING chunks."""
-        if pool.policy.write_policy is not WritePolicy.WRITE_BACK or pool.nvme is None or not evicted:
+        if pool.policy.write_policy is not WritePolicy.WRITE_BACK or pool.nvme_index is None or not evicted:
             return
-        assert pool.nvme_index is not None
-        victims = [(key, slot) for key, slot in evicted if key not in pool.nvme_index]
-        reservation = pool.nvme_index.reserve(key for key, _ in victims) if victims else None
-        if reservation is None:
+        await self._write_nvme(pool, [victim for victim in evicted if victim.key not in pool.nvme_index])
+
+    async def _write_nvme(self, pool: _Pool, chunks: Sequence[tuple[ChunkKey, int, str]]) -> None:
+        """Copy ``(key, cpu slot, owner)`` chunks into nvme slots of their owners' shares;
+        chunks no share has room for are skipped, failed copies dropped."""
+        assert pool.nvme is not None and pool.nvme_index is not None
+        ops = []
+        for owner in dict.fromkeys(owner for _, _, owner in chunks):
+            mine = [(key, slot) for key, slot, chunk_owner in chunks if chunk_owner == owner]
+            reservation = pool.nvme_index.reserve((key for key, _ in mine), owner)
+            if reservation is None:
+                log.info("tier.full", tier="nvme", namespace=owner, n_chunks=len(mine))
+                continue
+            self._evicted(pool, "nvme", reservation.evicted)
+            ops += [TransferOp(buffer=pool.cpu.view(slot), key=key, slot=reservation.slots[key]) for key, slot in mine]
+        if not ops:
             return
-        self._evicted(pool, "nvme", reservation.evicted)
-        ops = [TransferOp(buffer=pool.cpu.view(slot), key=key, slot=reservation.slots[key]) for key, slot in victims]
+        keys = [op.key for op in ops]
         try:
             await pool.nvme.write(ops)
         except TierError as exc:
-            self._drop_nvme(pool, [key for key, _ in victims])
+            self._drop_nvme(pool, keys)
             self._transfer_failed("cpu->nvme", pool, None, exc)
             return
         except BaseException:
-            self._drop_nvme(pool, [key for key, _ in victims])
+            self._drop_nvme(pool, keys)
             raise
-        for key, _ in victims:
+        for key in keys:
             pool.nvme_index.mark_ready(key)
-            self._emit(pool, KVEventKind.STORED, "nvme", key)
-        self._bytes["cpu->nvme"] += pool.chunk_bytes * len(victims)
+            self._emit(pool, KVEventKind.STORED, "nvme", key, pool.nvme_index.owner(key))
+        self._bytes["cpu->nvme"] += pool.chunk_bytes * len(keys)
 
     # -- request lifecycle -------------------------------------------------------------
     async def finish_request(self, request_id: str) -> None:
@@ -877,14 +898,14 @@ class TieredKV:
                 pool.nvme_index.check()
 
     # -- helpers -----------------------------------------------------------------------
-    def _emit(self, pool: _Pool, kind: KVEventKind, tier: str, key: ChunkKey) -> None:
+    def _emit(self, pool: _Pool, kind: KVEventKind, tier: str, key: ChunkKey, owner: str) -> None:
         if len(self._events) == self._events.maxlen:
             self._events_dropped += 1
-        self._events.append(KVEvent(kind=kind, tier=tier, namespace=pool.fingerprint, group=pool.group, key=key))
+        self._events.append(KVEvent(kind=kind, tier=tier, namespace=owner, group=pool.group, key=key))
 
-    def _evicted(self, pool: _Pool, tier: str, evicted: list[tuple[ChunkKey, int]]) -> None:
-        for key, _ in evicted:
-            self._emit(pool, KVEventKind.REMOVED, tier, key)
+    def _evicted(self, pool: _Pool, tier: str, evicted: list[Victim]) -> None:
+        for victim in evicted:
+            self._emit(pool, KVEventKind.REMOVED, tier, victim.key, victim.owner)
         if evicted:
             log.debug("chunk.evicted", namespace=pool.fingerprint, tier=tier, n_chunks=len(evicted))
 

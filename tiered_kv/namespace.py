@@ -99,6 +99,18 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise NamespaceError(f"must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}", field="tp_rank")
 
     @property
+    def base(self) -> Namespace:
+        """This namespace without its tenant fields (LoRA adapter, cache salt).
+
+        Tenants of one model runner have chunks of the same size and layout, so they share
+        that runner's tiers, each with its own eviction policy and quota; their chunk keys
+        (bound to the full fingerprint) keep them from ever reading each other's KV.
+        """
+        if self.lora_id is None and self.cache_salt is None:
+            return self
+        return msgspec.structs.replace(self, lora_id=None, cache_salt=None)
+
+    @property
     def replicated(self) -> bool:
         """True when all TP ranks hold identical bytes, so they share one namespace."""
         return self.geometry.replicated
