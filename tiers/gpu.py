@@ -178,7 +178,9 @@ class GpuTier(DriverBase):
         nbytes = sum(self._check(op) for op in ops)
         try:
             if self.cuda:
-                stream = self._compute_stream or torch.cuda.current_stream(self.device)
+                stream = (
+                    self._compute_stream if self._compute_stream is not None else torch.cuda.current_stream(self.device)
+                )
                 ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ready.record(stream)
                 await in_threads(self._executor, self._copy_cuda, [(ops, to_host, ready)])
