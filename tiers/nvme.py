@@ -275,8 +275,11 @@ class NvmeTier(DriverBase):
         self._count(read=False, ops=len(ops), nbytes=nbytes)
 
     async def read(self, ops: Sequence[TransferOp]) -> None:
-        """Read each op's slot into its buffer, after verifying header, key, length and
-        checksum; :class:`CorruptChunk` on any mismatch."""
+        """Read each op's slot into its buffer and verify header, key, length and checksum.
+
+        Raises :class:`CorruptChunk` on any mismatch; after any error the buffers hold
+        nothing to use (the disk may have written into them before the check failed).
+        """
         self._check_open()
         check_slots(ops, self.num_slots)
         nbytes = sum(check_buffer(op.buffer, max_bytes=self.slot_bytes) for op in ops)

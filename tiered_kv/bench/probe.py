@@ -59,6 +59,21 @@ class SplitCopy:
         self._pool.shutdown()
 
 
+def filesystem(path: Path) -> str:
+    """The type of the filesystem ``path`` is on (``ext4``, ``tmpfs`` …), from the mount table."""
+    resolved, best, kind = path.resolve(), -1, "unknown"
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in mounts:
+        _, mount_point, fstype, *_ = line.split()
+        point = Path(mount_point.replace("\\040", " "))
+        if resolved.is_relative_to(point) and len(point.parts) > best:
+            best, kind = len(point.parts), fstype
+    return kind
+
+
 class DiskProbe:
     """Blocks of ``buffers`` (equal sizes, page-aligned, a multiple of 4 KiB) written and
     read with ``O_DIRECT`` in a file under ``directory``, block ``i`` at ``i`` × size, by

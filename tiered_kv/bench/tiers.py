@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import tempfile
 import time
@@ -32,7 +33,7 @@ import msgspec
 import torch
 
 from tiered_kv.bench import SectionResult
-from tiered_kv.bench.probe import COPY_THREADS, DiskProbe, SplitCopy, copy_pass
+from tiered_kv.bench.probe import COPY_THREADS, DiskProbe, SplitCopy, copy_pass, filesystem
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.layout import KVGeometry, KVGroup
@@ -96,6 +97,23 @@ def _figure(
     )
 
 
+#: One timed pass over all chunks: its seconds.
+Pass = Callable[[], Awaitable[float]]
+
+
+async def _passes(steps: dict[str, Pass], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each step, ``repeats`` times after a warm-up round. Every other round
+    runs the steps in reverse, so that no step always runs right after the same one."""
+    times: dict[str, list[float]] = {key: [] for key in steps}
+    for rep in range(repeats + 1):
+        order = list(steps.items())
+        for key, step in order[::-1] if rep % 2 else order:
+            seconds = await step()
+            if rep:
+                times[key].append(seconds)
+    return times
+
+
 async def _timed(call: Callable[[list[TransferOp]], Awaitable[None]], ops: list[TransferOp]) -> float:
     started = time.perf_counter()
     await call(ops)
@@ -110,14 +128,15 @@ class TiersSection:
         parser.add_argument(
             "--chunk-mib", type=_chunk_sizes, default=_chunk_sizes("2,32"), help="chunk sizes in MiB (default 2,32)"
         )
-        parser.add_argument("--tier-mem-mib", type=int, default=256, help="MiB per memory pass (default 256)")
+        parser.add_argument("--tier-mem-mib", type=int, default=512, help="MiB per memory pass (default 512)")
         parser.add_argument("--tier-disk-mib", type=int, default=512, help="MiB per disk pass (default 512)")
-        parser.add_argument("--tier-repeats", type=int, default=5, help="timed passes per path (default 5)")
+        parser.add_argument("--tier-repeats", type=int, default=7, help="timed passes per path (default 7)")
         parser.add_argument("--io-depth", type=int, default=8, help="concurrent disk I/Os (default 8)")
         parser.add_argument("--tier-dir", type=Path, help="directory for the disk files (default: the temp dir)")
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
         figures = asyncio.run(self._run(args, progress))
+        where = args.tier_dir or Path(tempfile.gettempdir())
         rows = [
             [
                 f.path,
@@ -135,7 +154,8 @@ class TiersSection:
             title=f"tiers: driver throughput vs this machine's limit (GB/s, medians of {args.tier_repeats})",
             headers=["path", "layout", "chunk", "limit", "driver", "ratio", "target", "limit measured as"],
             rows=rows,
-            note="gpu paths run on a CPU stand-in without CUDA" if not torch.cuda.is_available() else "",
+            note=f"disk files in {where} ({filesystem(where)})"
+            + ("; gpu paths run on a CPU stand-in without CUDA" if not torch.cuda.is_available() else ""),
         )
         return SectionResult(payload=msgspec.to_builtins(figures), tables=[table])
 
@@ -174,18 +194,19 @@ class TiersSection:
         chunks = list(fused.view(torch.uint8).view(n, chunk_bytes))
         split = SplitCopy() if device == "cpu" else None
         directions = {"gpu->cpu": (slots, chunks), "cpu->gpu": (chunks, slots)}
-        times: dict[str, list[float]] = {}
-        for rep in range(repeats + 1):  # the first pass warms up
-            passes: dict[str, float] = {}
-            for path, (dsts, srcs) in directions.items():
-                raw = copy_pass(dsts, srcs)
-                passes[f"raw {path}"] = min(raw, split.copy_pass(dsts, srcs)) if split else raw
-            for layout, gpu in gpus.items():
-                passes[f"{layout} gpu->cpu"] = await _timed(gpu.read, ops)
-                passes[f"{layout} cpu->gpu"] = await _timed(gpu.write, ops)
-            if rep:
-                for key, seconds in passes.items():
-                    times.setdefault(key, []).append(seconds)
+
+        def raw(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Pass:
+            async def run() -> float:
+                seconds = copy_pass(dsts, srcs)
+                return min(seconds, split.copy_pass(dsts, srcs)) if split else seconds
+
+            return run
+
+        steps = {f"raw {path}": raw(dsts, srcs) for path, (dsts, srcs) in directions.items()}
+        for layout, gpu in gpus.items():
+            steps[f"{layout} gpu->cpu"] = functools.partial(_timed, gpu.read, ops)
+            steps[f"{layout} cpu->gpu"] = functools.partial(_timed, gpu.write, ops)
+        times = await _passes(steps, repeats)
         if split:
             split.close()
         for tier in (*gpus.values(), cpu):
@@ -222,17 +243,13 @@ class TiersSection:
             if not nvme.direct:
                 raise RuntimeError(f"O_DIRECT is refused in {directory}; choose --tier-dir on a disk")
             ops = [TransferOp(buffer=cpu.view(j), key=j.to_bytes(16, "little"), slot=j) for j in range(n)]
-            times: dict[str, list[float]] = {}
-            for rep in range(args.tier_repeats + 1):  # the first pass allocates the files' extents
-                passes = {
-                    "raw cpu->nvme": await asyncio.to_thread(probe.write_pass),
-                    "cpu->nvme": await _timed(nvme.write, ops),
-                    "raw nvme->cpu": await asyncio.to_thread(probe.read_pass),
-                    "nvme->cpu": await _timed(nvme.read, ops),
-                }
-                if rep:
-                    for key, seconds in passes.items():
-                        times.setdefault(key, []).append(seconds)
+            steps: dict[str, Pass] = {
+                "raw cpu->nvme": functools.partial(asyncio.to_thread, probe.write_pass),
+                "cpu->nvme": functools.partial(_timed, nvme.write, ops),
+                "raw nvme->cpu": functools.partial(asyncio.to_thread, probe.read_pass),
+                "nvme->cpu": functools.partial(_timed, nvme.read, ops),
+            }
+            times = await _passes(steps, args.tier_repeats)  # the warm-up round allocates the files' extents
             await _check_round_trip(cpu, nvme, chunk_bytes)
         finally:
             await nvme.close()
