@@ -199,13 +199,12 @@ class GpuTier(DriverBase):
         caches: list[torch.Tensor] = []
         bpc = self.blocks_per_chunk
         for op in ops:
-            base = op.buffer.storage_offset()
-            storage = op.buffer
+            buffer, base = op.buffer, op.buffer.storage_offset()
             for position, block, n in _runs(op.blocks, op.first_block):
                 for seg in self._segments:
                     count, _, piece = seg.cache.shape
                     hosts.append(
-                        storage.as_strided(
+                        buffer.as_strided(
                             (count, n, piece), (bpc * piece, piece, 1), base + seg.offset + position * piece
                         )
                     )
