@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tiered_kv.bench.probe import filesystem
 from tiered_kv.cli import main
 
 
@@ -15,7 +16,8 @@ def test_bench_tiers_reports_each_path_against_its_limit(tmp_path: Path, capsys:
     args = ["bench", "tiers", "--chunk-mib", "1", "--tier-mem-mib", "4", "--tier-disk-mib", "8"]
     code = main([*args, "--tier-repeats", "1", "--io-depth", "2", "--tier-dir", str(tmp_path), "--json", str(out)])
     assert code == 0
-    assert "tiers: driver throughput" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "tiers: driver throughput" in table and f"disk files in {tmp_path} (" in table
     document = json.loads(out.read_text())
     assert document["schema"] == 1 and document["errors"] == []
     figures = document["tiers"]
@@ -42,3 +44,8 @@ def test_a_chunk_size_that_is_not_a_number_is_refused(capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         main(["bench", "tiers", "--chunk-mib", "two"])
     assert "expected MiB sizes" in capsys.readouterr().err
+
+
+def test_the_filesystem_of_a_path_comes_from_the_mount_table() -> None:
+    assert filesystem(Path("/proc/self")) == "proc"
+    assert filesystem(Path("/")) not in ("", "unknown")

@@ -9,7 +9,8 @@ import torch
 
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.testing import TierDriverContract
-from tiers.pinned_cpu import PAGE, PinnedCpuTier
+from tiers._driver import PAGE
+from tiers.pinned_cpu import PinnedCpuTier
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -37,8 +37,9 @@ async def open_store(root: Path) -> NvmeTier:
 
 
 async def write_forever(root: Path, log_path: Path, seed: int) -> None:
-    tier = await open_store(root)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    tier = await open_store(root)
+    os.write(log, f"opened {seed}\n".encode())
     rng = random.Random(seed)
     version = seed * 1_000_000
     while True:
@@ -57,13 +58,27 @@ def completed_writes(log_path: Path) -> dict[int, int]:
     """slot → version, for each slot whose latest started write had completed."""
     latest: dict[int, int] = {}
     done: set[int] = set()
-    for line in log_path.read_text().splitlines():
+    lines = log_path.read_text().splitlines() if log_path.exists() else []
+    for line in lines:
         word, version, *slots = line.split()
         if word == "start":
             latest.update({int(s): int(version) for s in slots})
         elif word == "done":
             done.add(int(version))
     return {slot: version for slot, version in latest.items() if version in done}
+
+
+def logged(log_path: Path, line: str) -> bool:
+    return log_path.exists() and f"{line}\n" in log_path.read_text()
+
+
+async def opened(log_path: Path, seed: int) -> None:
+    """Wait until writer ``seed`` has reopened the store."""
+    for _ in range(2000):
+        if logged(log_path, f"opened {seed}"):
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"writer {seed} did not open the store")
 
 
 async def kill_and_reopen(tmp_path: Path, kills: int) -> None:
@@ -75,7 +90,9 @@ async def kill_and_reopen(tmp_path: Path, kills: int) -> None:
     for kill in range(kills):
         process = context.Process(target=child, args=(str(root), str(log_path), kill + 1))
         process.start()
-        await asyncio.sleep(rng.uniform(0.01, 0.2))
+        if rng.random() < 0.75:  # mostly while it writes; otherwise while it starts or recovers
+            await opened(log_path, kill + 1)
+        await asyncio.sleep(rng.uniform(0, 0.05))
         process.kill()
         await asyncio.to_thread(process.join)
         assert process.exitcode == -signal.SIGKILL, f"kill {kill}: the writer died by itself ({process.exitcode})"

@@ -331,3 +331,15 @@ async def test_a_chunk_key_longer_than_a_header_holds_is_refused(tmp_path: Path)
     with pytest.raises(ValueError, match="longer"):
         await tier.write([TransferOp(buffer=data(0), key=bytes(257), slot=0)])
     await tier.close()
+
+
+async def test_close_waits_for_writes_in_flight_and_records_them(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path)
+    writing = asyncio.ensure_future(fill(tier, range(SLOTS)))
+    await asyncio.sleep(0)
+    await tier.close()
+    assert writing.done()
+    await writing
+    tier = await open_store(tmp_path)
+    assert len(tier.recovered()) == SLOTS
+    await tier.close()

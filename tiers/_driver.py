@@ -24,6 +24,10 @@ from tiered_kv.interfaces import TierStats, TransferOp
 
 T = TypeVar("T")
 
+#: Alignment of slots in memory and on disk: a page, which satisfies ``O_DIRECT`` on every
+#: Linux filesystem.
+PAGE = 4096
+
 #: errno values that mean "the medium has no room left".
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -48,6 +52,10 @@ async def settle(future: asyncio.Future[T], abort: Callable[[], object] | None =
         if not future.cancelled():
             future.exception()  # retrieved: the cancellation is what the caller hears about
         raise
+
+
+def round_up(n: int, align: int = PAGE) -> int:
+    return -(-n // align) * align
 
 
 #: Copy threads of a CPU-memory driver: the parallelism a ``torch`` copy would have had.

@@ -178,7 +178,9 @@ class GpuTier(DriverBase):
         nbytes = sum(self._check(op) for op in ops)
         try:
             if self.cuda:
-                stream = self._compute_stream or torch.cuda.current_stream(self.device)
+                stream = (
+                    self._compute_stream if self._compute_stream is not None else torch.cuda.current_stream(self.device)
+                )
                 ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ready.record(stream)
                 await in_threads(self._executor, self._copy_cuda, [(ops, to_host, ready)])
@@ -197,13 +199,12 @@ class GpuTier(DriverBase):
         caches: list[torch.Tensor] = []
         bpc = self.blocks_per_chunk
         for op in ops:
-            base = op.buffer.storage_offset()
-            storage = op.buffer
+            buffer, base = op.buffer, op.buffer.storage_offset()
             for position, block, n in _runs(op.blocks, op.first_block):
                 for seg in self._segments:
                     count, _, piece = seg.cache.shape
                     hosts.append(
-                        storage.as_strided(
+                        buffer.as_strided(
                             (count, n, piece), (bpc * piece, piece, 1), base + seg.offset + position * piece
                         )
                     )

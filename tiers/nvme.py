@@ -52,7 +52,17 @@ from tiered_kv.interfaces import TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
-from tiers._driver import DriverBase, check_buffer, check_slots, in_threads, shutdown, tier_error, worker_pool
+from tiers._driver import (
+    PAGE,
+    DriverBase,
+    check_buffer,
+    check_slots,
+    in_threads,
+    round_up,
+    shutdown,
+    tier_error,
+    worker_pool,
+)
 from tiers.nvme_format import (
     HEADER_BYTES,
     MAX_KEY_BYTES,
@@ -64,17 +74,11 @@ from tiers.nvme_format import (
     read_header,
 )
 
-#: ``O_DIRECT`` alignment of offsets, lengths and memory: a page suits every filesystem.
-ALIGN = 4096
 #: Bytes a recovery scan reads at a time per worker.
 _SCAN_BYTES = 1 << 20
 _ZEROS = bytes(HEADER_BYTES)
 
 log = get_logger("nvme")
-
-
-def _round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -107,7 +111,7 @@ def _open_slots(path: Path, size: int, direct_io: bool | None) -> tuple[int, boo
         try:
             fd = os.open(path, flags | os.O_DIRECT, 0o600)
             _size(fd, size, path)
-            probe = mmap.mmap(-1, ALIGN)
+            probe = mmap.mmap(-1, PAGE)
             os.preadv(fd, [probe], 0)  # some filesystems accept the flag, then refuse the I/O
         except OSError as exc:
             if fd >= 0:
@@ -163,7 +167,7 @@ class NvmeTier(DriverBase):
         self.group = group
         self.io_depth = io_depth
         self.direct = direct
-        self.slot_stride = HEADER_BYTES + _round_up(slot_bytes)
+        self.slot_stride = HEADER_BYTES + round_up(slot_bytes)
         self._fingerprint = namespace.fingerprint
         self._fd = fd
         self._lock_fd = lock_fd
@@ -200,7 +204,7 @@ class NvmeTier(DriverBase):
         if io_depth <= 0:
             raise ValueError(f"io_depth must be positive, got {io_depth}")
         directory = Path(root) / namespace.dir_name
-        stride = HEADER_BYTES + _round_up(slot_bytes)
+        stride = HEADER_BYTES + round_up(slot_bytes)
         pool = worker_pool("nvme", io_depth)
         try:
             [(fd, lock_fd, direct)] = await in_threads(
@@ -275,8 +279,11 @@ class NvmeTier(DriverBase):
         self._count(read=False, ops=len(ops), nbytes=nbytes)
 
     async def read(self, ops: Sequence[TransferOp]) -> None:
-        """Read each op's slot into its buffer, after verifying header, key, length and
-        checksum; :class:`CorruptChunk` on any mismatch."""
+        """Read each op's slot into its buffer and verify header, key, length and checksum.
+
+        Raises :class:`CorruptChunk` on any mismatch; after any error the buffers hold
+        nothing to use (the disk may have written into them before the check failed).
+        """
         self._check_open()
         check_slots(ops, self.num_slots)
         nbytes = sum(check_buffer(op.buffer, max_bytes=self.slot_bytes) for op in ops)
@@ -348,9 +355,9 @@ class NvmeTier(DriverBase):
         data = _bytes_of(op.buffer)
         if not self.direct:
             return data, None
-        if op.buffer.data_ptr() % ALIGN == 0 and len(data) % ALIGN == 0:
+        if op.buffer.data_ptr() % PAGE == 0 and len(data) % PAGE == 0:
             return data, None
-        return lane.staged(_round_up(len(data)), self.slot_stride - HEADER_BYTES), data
+        return lane.staged(round_up(len(data)), self.slot_stride - HEADER_BYTES), data
 
     def _write_one(self, op: TransferOp) -> None:
         lane = self._lanes
@@ -404,7 +411,7 @@ class NvmeTier(DriverBase):
             digest = xxhash.xxh3_128()
             done = 0
             while done < length:
-                piece = lane.scan[: min(len(lane.scan), _round_up(length - done))]
+                piece = lane.scan[: min(len(lane.scan), round_up(length - done))]
                 got = os.preadv(self._fd, [piece], offset + HEADER_BYTES + done)
                 take = min(got, length - done)
                 if take <= 0:

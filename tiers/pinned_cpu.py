@@ -27,24 +27,19 @@ from tiered_kv.interfaces import TransferOp
 from tiered_kv.log import get_logger
 from tiers._driver import (
     COPY_WORKERS,
+    PAGE,
     DriverBase,
     check_buffer,
     check_slots,
     in_threads,
+    round_up,
     shutdown,
     split,
     tier_error,
     worker_pool,
 )
 
-#: Slot alignment: a page, which satisfies ``O_DIRECT`` on every Linux filesystem.
-PAGE = 4096
-
 log = get_logger("cpu")
-
-
-def round_up(n: int, align: int = PAGE) -> int:
-    return -(-n // align) * align
 
 
 def aligned_empty(nbytes: int, align: int = PAGE) -> torch.Tensor:

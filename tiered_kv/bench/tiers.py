@@ -6,11 +6,11 @@ For each chunk size, in one run:
   Llama-3-8B-shaped cache (32 layers, 8 KV heads of 128, bf16: 128 KiB per token) in
   two layouts: ``per-layer`` tensors ``[2, num_blocks, block, heads, dim]`` (vLLM's) and
   one ``fused`` tensor ``[num_blocks, layers, 2, block, heads, dim]``; the limit is a
-  ``torch`` copy of the same chunks (:func:`tiered_kv.bench.probe.copy_pass`).
+  ``torch`` copy of the same chunks between the same memory (see
+  :mod:`tiered_kv.bench.probe`).
 * ``cpu->nvme`` and ``nvme->cpu``: the nvme driver writing and reading slots in order,
-  against ``O_DIRECT`` sequential I/O at the same block size and I/O depth
-  (:class:`tiered_kv.bench.probe.DiskProbe`); both sides use ``O_DIRECT``, so the page
-  cache flatters neither.
+  against ``O_DIRECT`` sequential I/O from and into the same slots at the same block size
+  and I/O depth; both sides use ``O_DIRECT``, so the page cache flatters neither.
 
 Raw and driver passes alternate and repeat after a warm-up pass; figures are medians.
 Each run also checks that a chunk taken gpu→cpu→nvme→cpu→gpu comes back bit-identical.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import tempfile
 import time
@@ -32,7 +33,7 @@ import msgspec
 import torch
 
 from tiered_kv.bench import SectionResult
-from tiered_kv.bench.probe import DiskProbe, copy_pass
+from tiered_kv.bench.probe import COPY_THREADS, DiskProbe, SplitCopy, copy_pass, filesystem
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.layout import KVGeometry, KVGroup
@@ -96,6 +97,23 @@ def _figure(
     )
 
 
+#: One timed pass over all chunks: its seconds.
+Pass = Callable[[], Awaitable[float]]
+
+
+async def _passes(steps: dict[str, Pass], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each step, ``repeats`` times after a warm-up round. Every other round
+    runs the steps in reverse, so that no step always runs right after the same one."""
+    times: dict[str, list[float]] = {key: [] for key in steps}
+    for rep in range(repeats + 1):
+        order = list(steps.items())
+        for key, step in order[::-1] if rep % 2 else order:
+            seconds = await step()
+            if rep:
+                times[key].append(seconds)
+    return times
+
+
 async def _timed(call: Callable[[list[TransferOp]], Awaitable[None]], ops: list[TransferOp]) -> float:
     started = time.perf_counter()
     await call(ops)
@@ -110,14 +128,15 @@ class TiersSection:
         parser.add_argument(
             "--chunk-mib", type=_chunk_sizes, default=_chunk_sizes("2,32"), help="chunk sizes in MiB (default 2,32)"
         )
-        parser.add_argument("--tier-mem-mib", type=int, default=256, help="MiB per memory pass (default 256)")
+        parser.add_argument("--tier-mem-mib", type=int, default=512, help="MiB per memory pass (default 512)")
         parser.add_argument("--tier-disk-mib", type=int, default=512, help="MiB per disk pass (default 512)")
-        parser.add_argument("--tier-repeats", type=int, default=5, help="timed passes per path (default 5)")
+        parser.add_argument("--tier-repeats", type=int, default=7, help="timed passes per path (default 7)")
         parser.add_argument("--io-depth", type=int, default=8, help="concurrent disk I/Os (default 8)")
         parser.add_argument("--tier-dir", type=Path, help="directory for the disk files (default: the temp dir)")
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
         figures = asyncio.run(self._run(args, progress))
+        where = args.tier_dir or Path(tempfile.gettempdir())
         rows = [
             [
                 f.path,
@@ -135,7 +154,8 @@ class TiersSection:
             title=f"tiers: driver throughput vs this machine's limit (GB/s, medians of {args.tier_repeats})",
             headers=["path", "layout", "chunk", "limit", "driver", "ratio", "target", "limit measured as"],
             rows=rows,
-            note="gpu paths run on a CPU stand-in without CUDA" if not torch.cuda.is_available() else "",
+            note=f"disk files in {where} ({filesystem(where)})"
+            + ("; gpu paths run on a CPU stand-in without CUDA" if not torch.cuda.is_available() else ""),
         )
         return SectionResult(payload=msgspec.to_builtins(figures), tables=[table])
 
@@ -161,38 +181,39 @@ class TiersSection:
         bpc, block = geometry.blocks_per_chunk, geometry.block_size
         n = max(2, total // chunk_bytes)
         shape = (block, KV_HEADS, HEAD_DIM)
-        caches = {
-            "per-layer": [
-                torch.empty((2, n * bpc, *shape), dtype=torch.bfloat16, device=device).fill_(1) for _ in range(LAYERS)
-            ],
-            "fused": torch.empty((n * bpc, LAYERS, 2, *shape), dtype=torch.bfloat16, device=device).fill_(1),
-        }
+        per_layer = [torch.ones((2, n * bpc, *shape), dtype=torch.bfloat16, device=device) for _ in range(LAYERS)]
+        fused = torch.ones((n * bpc, LAYERS, 2, *shape), dtype=torch.bfloat16, device=device)
         gpus = {
-            "per-layer": gpu_cls(caches["per-layer"], blocks_per_chunk=bpc, block_dim=1),
-            "fused": gpu_cls(caches["fused"], blocks_per_chunk=bpc),
+            "per-layer": gpu_cls(per_layer, blocks_per_chunk=bpc, block_dim=1),
+            "fused": gpu_cls(fused, blocks_per_chunk=bpc),
         }
         cpu = cpu_cls(chunk_bytes, n)
-        ops = [TransferOp(buffer=cpu.view(j), blocks=tuple(range(j * bpc, (j + 1) * bpc))) for j in range(n)]
-        raw_device = torch.empty((n, chunk_bytes), dtype=torch.uint8, device=device).fill_(1)
-        raw_host = torch.empty((n, chunk_bytes), dtype=torch.uint8, pin_memory=device == "cuda").fill_(2)
-        times: dict[str, list[float]] = {}
-        for rep in range(repeats + 1):  # the first pass warms up
-            passes: dict[str, float] = {
-                "raw gpu->cpu": copy_pass(list(raw_host), list(raw_device)),
-                "raw cpu->gpu": copy_pass(list(raw_device), list(raw_host)),
-            }
-            for layout, gpu in gpus.items():
-                passes[f"{layout} gpu->cpu"] = await _timed(gpu.read, ops)
-                passes[f"{layout} cpu->gpu"] = await _timed(gpu.write, ops)
-            if rep:
-                for key, seconds in passes.items():
-                    times.setdefault(key, []).append(seconds)
+        slots = [cpu.view(j) for j in range(n)]
+        ops = [TransferOp(buffer=slots[j], blocks=tuple(range(j * bpc, (j + 1) * bpc))) for j in range(n)]
+        # The raw copies move the same bytes between the same memory: the fused cache's chunks and the slots.
+        chunks = list(fused.view(torch.uint8).view(n, chunk_bytes))
+        split = SplitCopy() if device == "cpu" else None
+        directions = {"gpu->cpu": (slots, chunks), "cpu->gpu": (chunks, slots)}
+
+        def raw(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Pass:
+            async def run() -> float:
+                seconds = copy_pass(dsts, srcs)
+                return min(seconds, split.copy_pass(dsts, srcs)) if split else seconds
+
+            return run
+
+        steps = {f"raw {path}": raw(dsts, srcs) for path, (dsts, srcs) in directions.items()}
+        for layout, gpu in gpus.items():
+            steps[f"{layout} gpu->cpu"] = functools.partial(_timed, gpu.read, ops)
+            steps[f"{layout} cpu->gpu"] = functools.partial(_timed, gpu.write, ops)
+        times = await _passes(steps, repeats)
+        if split:
+            split.close()
         for tier in (*gpus.values(), cpu):
             await tier.close()
-        limits = {
-            "gpu->cpu": f"torch copy_ of {chunk_bytes // MiB} MiB chunks, {device}->cpu",
-            "cpu->gpu": f"torch copy_ of {chunk_bytes // MiB} MiB chunks, cpu->{device}",
-        }
+        how = f"torch copy_ of the same {chunk_bytes // MiB} MiB chunks"
+        if split:
+            how += f", best of one call each and {COPY_THREADS} threads"
         return [
             _figure(
                 path,
@@ -200,10 +221,10 @@ class TiersSection:
                 n * chunk_bytes,
                 times[f"{layout} {path}"],
                 times[f"raw {path}"],
-                limit,
+                how,
                 layout=layout,
             )
-            for path, limit in limits.items()
+            for path in directions
             for layout in gpus
         ]
 
@@ -216,29 +237,25 @@ class TiersSection:
         cpu = cpu_cls(chunk_bytes, n)
         for j in range(n):
             cpu.view(j).fill_(j % 251)
-        probe = DiskProbe(directory, chunk_bytes, n, depth)
+        probe = DiskProbe(directory, [cpu.view(j).numpy().data for j in range(n)], depth)
         nvme = await nvme_cls.open(directory, namespace, slot_bytes=chunk_bytes, num_slots=n, io_depth=depth)
         try:
             if not nvme.direct:
                 raise RuntimeError(f"O_DIRECT is refused in {directory}; choose --tier-dir on a disk")
             ops = [TransferOp(buffer=cpu.view(j), key=j.to_bytes(16, "little"), slot=j) for j in range(n)]
-            times: dict[str, list[float]] = {}
-            for rep in range(args.tier_repeats + 1):  # the first pass allocates the files' extents
-                passes = {
-                    "raw cpu->nvme": await asyncio.to_thread(probe.write_pass),
-                    "cpu->nvme": await _timed(nvme.write, ops),
-                    "raw nvme->cpu": await asyncio.to_thread(probe.read_pass),
-                    "nvme->cpu": await _timed(nvme.read, ops),
-                }
-                if rep:
-                    for key, seconds in passes.items():
-                        times.setdefault(key, []).append(seconds)
+            steps: dict[str, Pass] = {
+                "raw cpu->nvme": functools.partial(asyncio.to_thread, probe.write_pass),
+                "cpu->nvme": functools.partial(_timed, nvme.write, ops),
+                "raw nvme->cpu": functools.partial(asyncio.to_thread, probe.read_pass),
+                "nvme->cpu": functools.partial(_timed, nvme.read, ops),
+            }
+            times = await _passes(steps, args.tier_repeats)  # the warm-up round allocates the files' extents
             await _check_round_trip(cpu, nvme, chunk_bytes)
         finally:
             await nvme.close()
             await cpu.close()
             probe.close()
-        limit = f"O_DIRECT sequential {chunk_bytes // MiB} MiB I/Os, {depth} in flight (own probe)"
+        limit = f"O_DIRECT sequential {chunk_bytes // MiB} MiB I/Os from the same slots, {depth} in flight"
         return [
             _figure(path, chunk_bytes, n * chunk_bytes, times[path], times[f"raw {path}"], limit)
             for path in ("cpu->nvme", "nvme->cpu")
