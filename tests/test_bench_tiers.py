@@ -14,7 +14,7 @@ from tiered_kv.cli import main
 def test_bench_tiers_reports_each_path_against_its_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     args = ["bench", "tiers", "--chunk-mib", "1", "--tier-mem-mib", "4", "--tier-disk-mib", "8"]
-    code = main([*args, "--tier-repeats", "1", "--io-depth", "2", "--tier-dir", str(tmp_path), "--json", str(out)])
+    code = main([*args, "--tier-repeats", "1", "--io-depth", "2", "--nvme-dir", str(tmp_path), "--json", str(out)])
     assert code == 0
     table = capsys.readouterr().out
     assert "tiers: driver throughput" in table and f"disk files in {tmp_path} (" in table
@@ -30,6 +30,8 @@ def test_bench_tiers_reports_each_path_against_its_limit(tmp_path: Path, capsys:
             ("cpu->gpu", "fused"),
             ("cpu->nvme", None),
             ("nvme->cpu", None),
+            ("cpu->gpu via manager", None),
+            ("nvme->gpu via manager", None),
         ],
         key=str,
     )

@@ -12,6 +12,11 @@ For each chunk size, in one run:
   against ``O_DIRECT`` sequential I/O from and into the same slots at the same block size
   and I/O depth; both sides use ``O_DIRECT``, so the page cache flatters neither.
 
+* ``cpu->gpu via manager`` and ``nvme->gpu via manager``: loads through a whole
+  ``TieredKV`` (chunks in cpu, or only on nvme and promoted), ``LOAD_CHUNKS`` chunks per
+  load and ``LOADS_IN_FLIGHT`` loads at once, against the gpu driver alone copying the
+  same chunks in the same parts, and against ``O_DIRECT`` reads of the same bytes.
+
 Raw and driver passes alternate and repeat after a warm-up pass; figures are medians.
 Each run also checks that a chunk taken gpu→cpu→nvme→cpu→gpu comes back bit-identical.
 The drivers are found by name in :data:`tiered_kv.registry.TIERS`.
@@ -35,16 +40,29 @@ import torch
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.probe import COPY_THREADS, DiskProbe, SplitCopy, copy_pass, filesystem
 from tiered_kv.bench.report import Progress, Table
+from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.layout import KVGeometry, KVGroup
+from tiered_kv.manager import TieredKV
 from tiered_kv.namespace import Namespace
 from tiered_kv.registry import TIERS
 
 MiB = 1 << 20
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
+#: Loads through the whole ``TieredKV`` path, against the driver (or disk) doing the same alone.
+MANAGER_CPU, MANAGER_NVME = "cpu->gpu via manager", "nvme->gpu via manager"
+#: Chunks per ``TieredKV.load`` call in the manager passes, and loads in flight at once.
+LOAD_CHUNKS, LOADS_IN_FLIGHT = 4, 2
 #: Driver throughput as a fraction of the raw limit that the issue asks for.
-TARGETS = {"gpu->cpu": 0.85, "cpu->gpu": 0.85, "cpu->nvme": 0.80, "nvme->cpu": 0.80}
+TARGETS = {
+    "gpu->cpu": 0.85,
+    "cpu->gpu": 0.85,
+    "cpu->nvme": 0.80,
+    "nvme->cpu": 0.80,
+    MANAGER_CPU: 0.80,
+    MANAGER_NVME: 0.80,
+}
 
 
 class TierFigure(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -132,11 +150,10 @@ class TiersSection:
         parser.add_argument("--tier-disk-mib", type=int, default=512, help="MiB per disk pass (default 512)")
         parser.add_argument("--tier-repeats", type=int, default=7, help="timed passes per path (default 7)")
         parser.add_argument("--io-depth", type=int, default=8, help="concurrent disk I/Os (default 8)")
-        parser.add_argument("--tier-dir", type=Path, help="directory for the disk files (default: the temp dir)")
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
         figures = asyncio.run(self._run(args, progress))
-        where = args.tier_dir or Path(tempfile.gettempdir())
+        where = args.nvme_dir or Path(tempfile.gettempdir())
         rows = [
             [
                 f.path,
@@ -162,7 +179,7 @@ class TiersSection:
     async def _run(self, args: argparse.Namespace, progress: Progress) -> list[TierFigure]:
         sizes: list[int] = args.chunk_mib
         figures: list[TierFigure] = []
-        with tempfile.TemporaryDirectory(dir=args.tier_dir, prefix="tiered-kv-bench-") as tmp:
+        with tempfile.TemporaryDirectory(dir=args.nvme_dir, prefix="tiered-kv-bench-") as tmp:
             for i, chunk_bytes in enumerate(sizes):
                 if chunk_bytes % TOKEN_BYTES:
                     raise ValueError(f"a chunk holds whole tokens of {TOKEN_BYTES} bytes; {chunk_bytes} does not")
@@ -206,7 +223,11 @@ class TiersSection:
         for layout, gpu in gpus.items():
             steps[f"{layout} gpu->cpu"] = functools.partial(_timed, gpu.read, ops)
             steps[f"{layout} cpu->gpu"] = functools.partial(_timed, gpu.write, ops)
-        times = await _passes(steps, repeats)
+        async with _ManagerLoads(geometry, fused, n, cpu_chunks=n, nvme=None) as manager:
+            steps[MANAGER_CPU] = manager.load_all
+            fused_gpu = gpus["fused"]
+            steps["driver in loads"] = functools.partial(_in_loads, lambda part: _timed(fused_gpu.write, part), ops)
+            times = await _passes(steps, repeats)
         if split:
             split.close()
         for tier in (*gpus.values(), cpu):
@@ -214,18 +235,30 @@ class TiersSection:
         how = f"torch copy_ of the same {chunk_bytes // MiB} MiB chunks"
         if split:
             how += f", best of one call each and {COPY_THREADS} threads"
+        manager_figure = _figure(
+            MANAGER_CPU,
+            chunk_bytes,
+            n * chunk_bytes,
+            times[MANAGER_CPU],
+            times["driver in loads"],
+            f"the gpu driver alone copying the same chunks (fused), {LOAD_CHUNKS} per call, {LOADS_IN_FLIGHT} calls "
+            "in flight",
+        )
         return [
-            _figure(
-                path,
-                chunk_bytes,
-                n * chunk_bytes,
-                times[f"{layout} {path}"],
-                times[f"raw {path}"],
-                how,
-                layout=layout,
-            )
-            for path in directions
-            for layout in gpus
+            *(
+                _figure(
+                    path,
+                    chunk_bytes,
+                    n * chunk_bytes,
+                    times[f"{layout} {path}"],
+                    times[f"raw {path}"],
+                    how,
+                    layout=layout,
+                )
+                for path in directions
+                for layout in gpus
+            ),
+            manager_figure,
         ]
 
     async def _disk(self, chunk_bytes: int, args: argparse.Namespace, directory: Path) -> list[TierFigure]:
@@ -233,7 +266,8 @@ class TiersSection:
         nvme_cls: Any = TIERS.get("nvme")
         depth = args.io_depth
         n = max(2 * depth, args.tier_disk_mib * MiB // chunk_bytes)
-        namespace = Namespace(model_id="bench/tiers", model_revision="0", geometry=_geometry(chunk_bytes))
+        geometry = _geometry(chunk_bytes)
+        namespace = Namespace(model_id="bench/tiers", model_revision="0", geometry=geometry)
         cpu = cpu_cls(chunk_bytes, n)
         for j in range(n):
             cpu.view(j).fill_(j % 251)
@@ -241,7 +275,7 @@ class TiersSection:
         nvme = await nvme_cls.open(directory, namespace, slot_bytes=chunk_bytes, num_slots=n, io_depth=depth)
         try:
             if not nvme.direct:
-                raise RuntimeError(f"O_DIRECT is refused in {directory}; choose --tier-dir on a disk")
+                raise RuntimeError(f"O_DIRECT is refused in {directory}; choose --nvme-dir on a disk")
             ops = [TransferOp(buffer=cpu.view(j), key=j.to_bytes(16, "little"), slot=j) for j in range(n)]
             steps: dict[str, Pass] = {
                 "raw cpu->nvme": functools.partial(asyncio.to_thread, probe.write_pass),
@@ -251,15 +285,30 @@ class TiersSection:
             }
             times = await _passes(steps, args.tier_repeats)  # the warm-up round allocates the files' extents
             await _check_round_trip(cpu, nvme, chunk_bytes)
+            fused = torch.empty((n * geometry.blocks_per_chunk, geometry.block_bytes()), dtype=torch.uint8)
+            nvme_config = NvmeTierConfig(
+                root=str(directory / "manager"), capacity_bytes=n * chunk_bytes, io_depth=depth
+            )
+            cpu_chunks = LOAD_CHUNKS * LOADS_IN_FLIGHT
+            async with _ManagerLoads(geometry, fused, n, cpu_chunks=cpu_chunks, nvme=nvme_config) as manager:
+                manager_times = (await _passes({MANAGER_NVME: manager.load_all}, args.tier_repeats))[MANAGER_NVME]
         finally:
             await nvme.close()
             await cpu.close()
             probe.close()
         limit = f"O_DIRECT sequential {chunk_bytes // MiB} MiB I/Os from the same slots, {depth} in flight"
-        return [
+        figures = [
             _figure(path, chunk_bytes, n * chunk_bytes, times[path], times[f"raw {path}"], limit)
             for path in ("cpu->nvme", "nvme->cpu")
         ]
+        manager_limit = (
+            f"O_DIRECT sequential reads of the same bytes, {depth} in flight; loads of {LOAD_CHUNKS} chunks, "
+            f"{LOADS_IN_FLIGHT} in flight"
+        )
+        figures.append(
+            _figure(MANAGER_NVME, chunk_bytes, n * chunk_bytes, manager_times, times["raw nvme->cpu"], manager_limit)
+        )
+        return figures
 
 
 async def _check_round_trip(cpu: Any, nvme: Any, chunk_bytes: int) -> None:
@@ -281,3 +330,67 @@ async def _check_round_trip(cpu: Any, nvme: Any, chunk_bytes: int) -> None:
         await gpu.close()
     if not torch.equal(cache[:bpc], cache[bpc:]):
         raise RuntimeError("a chunk came back from gpu→cpu→nvme→cpu→gpu changed")
+
+
+class _ManagerLoads:
+    """A ``TieredKV`` holding the ``n`` chunks of ``cache``, loading them back into their
+    blocks ``LOAD_CHUNKS`` at a time.
+
+    With ``nvme`` and a cpu tier of one load's worth of chunks, every chunk of a pass
+    comes from nvme: each load promotes its chunks, evicting the previous load's.
+    """
+
+    def __init__(
+        self, geometry: KVGeometry, cache: torch.Tensor, n: int, *, cpu_chunks: int, nvme: NvmeTierConfig | None
+    ) -> None:
+        self.namespace = Namespace(model_id="bench/manager", model_revision="0", geometry=geometry)
+        self.cache = cache
+        self.n = n
+        self.k = geometry.blocks_per_chunk
+        self.keys = [j.to_bytes(16, "little") for j in range(n)]
+        config = TieredKVConfig(
+            cpu=CpuTierConfig(capacity_bytes=cpu_chunks * geometry.chunk_bytes()),
+            nvme=nvme,
+            default_policy=NamespacePolicyConfig(write_policy=WritePolicy.WRITE_THROUGH),
+        )
+        self.kv = TieredKV(config)
+
+    async def __aenter__(self) -> _ManagerLoads:
+        await self.kv.__aenter__()
+        await self.kv.register(self.namespace, [[self.cache]])
+        for start in range(0, self.n, LOAD_CHUNKS):
+            keys = self.keys[start : start + LOAD_CHUNKS]
+            table = list(range(start * self.k, (start + len(keys)) * self.k))
+            result = await self.kv.store(self.namespace, request_id="fill", keys=[keys], block_ids=[table])
+            if result.rejected:
+                raise RuntimeError("the bench's TieredKV could not store its chunks")
+            await self.kv.drain()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.kv.__aexit__(*exc)
+
+    async def load_all(self) -> float:
+        """Seconds to load every chunk, ``LOAD_CHUNKS`` per call, ``LOADS_IN_FLIGHT`` calls at once."""
+        return await _in_loads(self._load, list(range(self.n)))
+
+    async def _load(self, chunks: list[int]) -> None:
+        keys = [self.keys[j] for j in chunks]
+        # Back into the blocks they came from: the bytes are the same, the copies are real.
+        table = [j * self.k + b for j in chunks for b in range(self.k)]
+        tokens = len(keys) * self.namespace.geometry.chunk_size
+        loaded = await self.kv.load(
+            self.namespace, request_id="load", keys=[keys], block_ids=[table], num_tokens=tokens
+        )
+        if loaded != tokens:
+            raise RuntimeError(f"the bench's TieredKV loaded {loaded} of {tokens} tokens")
+
+
+async def _in_loads(load: Callable[[list[Any]], Awaitable[object]], items: list[Any]) -> float:
+    """Seconds to pass ``items`` to ``load`` in parts of ``LOAD_CHUNKS``, ``LOADS_IN_FLIGHT``
+    parts in flight, as a server loads several requests' chunks at once."""
+    parts = [items[i : i + LOAD_CHUNKS] for i in range(0, len(items), LOAD_CHUNKS)]
+    started = time.perf_counter()
+    for i in range(0, len(parts), LOADS_IN_FLIGHT):
+        await asyncio.gather(*(load(part) for part in parts[i : i + LOADS_IN_FLIGHT]))
+    return time.perf_counter() - started
