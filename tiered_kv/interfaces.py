@@ -25,7 +25,7 @@ import torch
 from tiered_kv.keys import ChunkKey
 
 
-class TransferOp(msgspec.Struct, frozen=True, kw_only=True):
+class TransferOp(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One chunk's worth of bytes to move between a tier and a host buffer."""
 
     #: Host buffer (uint8, contiguous, CPU): the source of a write, the sink of a read.

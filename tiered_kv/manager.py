@@ -183,7 +183,9 @@ class TieredKV:
         self._gate = PriorityGate(copy_concurrency)
         self._store_budget = Budget(max_store_chunks, "store queue (chunks)")
         self._write_behind_budget = Budget(max_write_behind_chunks, "nvme write-behind queue (chunks)")
-        self._jobs: set[_StoreJob] = set()
+        #: Store jobs still reading GPU blocks, by request.
+        self._jobs: dict[str, set[_StoreJob]] = collections.defaultdict(set)
+        self._job_count = 0
         self._events: collections.deque[KVEvent] = collections.deque(maxlen=max_events)
         self._events_dropped = 0
         self._hits: collections.Counter[str] = collections.Counter()
@@ -232,7 +234,7 @@ class TieredKV:
         nvme = sum(p.nvme_index.used for p in self._pools.values() if p.nvme_index is not None)
         nvme_cap = sum(p.nvme_index.num_slots for p in self._pools.values() if p.nvme_index is not None)
         return (
-            f"<TieredKV cpu={cpu}/{cpu_cap} nvme={nvme}/{nvme_cap} inflight={len(self._jobs) + self._loads_in_flight}>"
+            f"<TieredKV cpu={cpu}/{cpu_cap} nvme={nvme}/{nvme_cap} inflight={self._job_count + self._loads_in_flight}>"
         )
 
     # -- registration ------------------------------------------------------------------
@@ -619,7 +621,9 @@ class TieredKV:
         self._check()
         bound = sum(len(k) for k in keys)
         await self._store_budget.take(bound)
-        return self._submit_store(namespace, request_id, keys, block_ids, bound)
+        # Events of this store, in its background tasks too, carry the request and namespace.
+        with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
+            return self._submit_store(namespace, request_id, keys, block_ids, bound)
 
     def store_nowait(
         self,
@@ -633,21 +637,10 @@ class TieredKV:
         self._check()
         bound = sum(len(k) for k in keys)
         self._store_budget.take_nowait(bound)
-        return self._submit_store(namespace, request_id, keys, block_ids, bound)
+        with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
+            return self._submit_store(namespace, request_id, keys, block_ids, bound)
 
     def _submit_store(
-        self,
-        namespace: Namespace,
-        request_id: str,
-        keys: Sequence[Sequence[ChunkKey]],
-        block_ids: Sequence[Sequence[int]],
-        taken: int,
-    ) -> StoreResult:
-        # Events of this store, in its background tasks too, carry the request and namespace.
-        with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
-            return self._plan_and_spawn_store(namespace, request_id, keys, block_ids, taken)
-
-    def _plan_and_spawn_store(
         self,
         namespace: Namespace,
         request_id: str,
@@ -698,7 +691,8 @@ class TieredKV:
         for (pool, chunks), (_, reservation) in zip([(p, c) for p, c in planned if c], reservations, strict=True):
             self._evicted(pool, "cpu", reservation.evicted)
             job = _StoreJob(pool, namespace.fingerprint_hex, namespace.tp_rank, request_id, chunks)
-            self._jobs.add(job)
+            self._jobs[request_id].add(job)
+            self._job_count += 1
             self._scheduler.spawn(
                 self._run_store(job, reservation.slots, reservation.evicted), name=f"store-{request_id}"
             )
@@ -707,6 +701,13 @@ class TieredKV:
         if skipped:
             log.debug("store.skipped", namespace=pools[0].fingerprint, request_id=request_id, n_chunks=skipped)
         return StoreResult(submitted=submitted, skipped=skipped)
+
+    def _job_done(self, job: _StoreJob) -> None:
+        jobs = self._jobs[job.request_id]
+        jobs.discard(job)
+        if not jobs:
+            del self._jobs[job.request_id]
+        self._job_count -= 1
 
     async def _run_store(self, job: _StoreJob, slots: dict[ChunkKey, int], evicted: list[Victim]) -> None:
         pool = job.pool
@@ -726,7 +727,7 @@ class TieredKV:
         finally:
             # Done, failed or cancelled: no copy reads the engine's blocks any more.
             job.gpu_released.set_result(None)
-            self._jobs.discard(job)
+            self._job_done(job)
             self._store_budget.give(len(job.chunks))
         for key, _ in job.chunks:
             pool.cpu_index.mark_ready(key)
@@ -806,7 +807,7 @@ class TieredKV:
     async def finish_request(self, request_id: str) -> None:
         """Return once no store of ``request_id`` still reads the request's GPU blocks."""
         self._check()
-        waiting = [job.gpu_released for job in self._jobs if job.request_id == request_id]
+        waiting = [job.gpu_released for job in self._jobs.get(request_id, ())]
         if waiting:
             await asyncio.shield(asyncio.gather(*waiting))
         self._check()
@@ -820,7 +821,8 @@ class TieredKV:
         wanted = None if block_ids is None else frozenset(block_ids)
         return [
             job.gpu_released
-            for job in self._jobs
+            for jobs in self._jobs.values()
+            for job in jobs
             if (
                 namespace is None
                 or (job.pool.fingerprint == namespace.fingerprint_hex and job.rank == namespace.tp_rank)
@@ -831,7 +833,7 @@ class TieredKV:
     def finish_request_nowait(self, request_id: str) -> bool:
         """True when the request's GPU blocks may be freed now (no store reads them)."""
         self._check()
-        return not any(job.request_id == request_id for job in self._jobs)
+        return request_id not in self._jobs
 
     async def flush(self, block_ids: Iterable[int] | None = None, *, namespace: Namespace | None = None) -> None:
         """Return once no store reads any of ``block_ids`` (all blocks when ``None``) of

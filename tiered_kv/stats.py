@@ -41,7 +41,7 @@ class KVEventKind(enum.StrEnum):
     REMOVED = "removed"
 
 
-class KVEvent(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class KVEvent(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False):
     """A chunk became ready in, or left, a tier; for routers that track cache residency."""
 
     kind: KVEventKind

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import time
 
 import torch
@@ -85,22 +86,27 @@ async def measure(requests: int, chunks: int, progress: Progress) -> OverheadFig
             n = kv.lookup(namespace, [keys[r]])
             await kv.load(namespace, request_id=str(r), keys=[keys[r]], block_ids=[blocks], num_tokens=n * 64)
 
-        progress.step(0, 3, "store")
-        started = time.perf_counter()
-        await asyncio.gather(*(one_store(r) for r in range(requests)))
-        store_s = time.perf_counter() - started
-        progress.step(1, 3, "load")
-        started = time.perf_counter()
-        await asyncio.gather(*(one_load(r) for r in range(requests)))
-        load_s = time.perf_counter() - started
-        progress.step(2, 3, "lookup")
-        flat = [key for request in keys for key in request]
-        started = time.perf_counter()
-        rounds = 0
-        while time.perf_counter() - started < 0.5:
-            kv.lookup(namespace, [flat])
-            rounds += 1
-        lookup_s = time.perf_counter() - started
+        gc.collect()
+        gc.freeze()
+        try:
+            progress.step(0, 3, "store")
+            started = time.perf_counter()
+            await asyncio.gather(*(one_store(r) for r in range(requests)))
+            store_s = time.perf_counter() - started
+            progress.step(1, 3, "load")
+            started = time.perf_counter()
+            await asyncio.gather(*(one_load(r) for r in range(requests)))
+            load_s = time.perf_counter() - started
+            progress.step(2, 3, "lookup")
+            flat = [key for request in keys for key in request]
+            started = time.perf_counter()
+            rounds = 0
+            while time.perf_counter() - started < 0.5:
+                kv.lookup(namespace, [flat])
+                rounds += 1
+            lookup_s = time.perf_counter() - started
+        finally:
+            gc.unfreeze()
         progress.step(3, 3, "done")
     return OverheadFigures(
         requests=requests,
