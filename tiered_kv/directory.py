@@ -138,6 +138,15 @@ class TierIndex:
             self._partition.insert(owner, key)
         return Reservation(reserved, evicted)
 
+    def unreserve(self, reservation: Reservation) -> None:
+        """Undo a reservation before anything was copied: drop its PENDING chunks and put
+        its victims back (their bytes are still in their slots). Their hit counts and
+        recency start over."""
+        for key in reservation.slots:
+            self.drop(key)
+        for victim in reservation.evicted:
+            self.restore(victim.key, victim.slot, victim.owner)
+
     def _is_protected(self, key: ChunkKey) -> bool:
         entry = self._entries.get(key)
         return entry is None or entry.pins > 0 or entry.state is not State.READY

@@ -145,6 +145,7 @@ class _StoreJob:
         self.request_id = request_id
         self.chunks = chunks
         self.blocks = frozenset(block for _, blocks in chunks for block in blocks)
+        self.started = False
         #: Resolved once no copy of this job reads GPU blocks any more (done, failed or cancelled).
         self.gpu_released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -171,12 +172,15 @@ class TieredKV:
         max_write_behind_chunks: int = 4096,
         copy_concurrency: int = 2,
         max_events: int = 65536,
+        max_tenants: int = 1024,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.config = config
         self._tiers: TierFactory = tiers if tiers is not None else RegistryTiers()
         self._clock = clock
         self._pools: dict[tuple[str, int], _Pool] = {}
+        self._registering = asyncio.Lock()
+        self._max_tenants = max_tenants
         self._cpu_left = config.cpu.capacity_bytes
         self._nvme_left = config.nvme.capacity_bytes if config.nvme else 0
         self._scheduler = Scheduler()
@@ -250,8 +254,9 @@ class TieredKV:
         if len(kv_caches) != len(geometry.groups):
             raise ConfigError(f"{len(kv_caches)} tensor lists for {len(geometry.groups)} KV groups", field="kv_caches")
         base = namespace.base
-        if (base.fingerprint_hex, 0) not in self._pools:
-            await self._open_pools(base)
+        async with self._registering:  # replicated ranks registering at once open one set of pools
+            if (base.fingerprint_hex, 0) not in self._pools:
+                await self._open_pools(base)
         for group, tensors in enumerate(kv_caches):
             pool = self._pools[(base.fingerprint_hex, group)]
             if namespace.tp_rank in pool.gpus:
@@ -277,42 +282,79 @@ class TieredKV:
                 f"cpu budget {cpu_budget} B cannot hold one chunk of {base.model_id} ({all_groups_bytes} B)",
                 field="cpu_bytes",
             )
+        pools: list[_Pool] = []
+        try:
+            for group in range(len(geometry.groups)):
+                pools.append(await self._open_pool(base, group, policy, cpu_slots, nvme_slots))
+        except BaseException:
+            for pool in pools:
+                await pool.cpu.close()
+                if pool.nvme is not None:
+                    await pool.nvme.close()
+            raise
+        # Committed only once every group's drivers are open: a failed registration leaves nothing.
         self._cpu_left -= cpu_budget
         self._nvme_left -= nvme_budget
-        for group in range(len(geometry.groups)):
-            chunk_bytes = geometry.chunk_bytes(group)
-            cpu = self._tiers.cpu(base, group, chunk_bytes, cpu_slots)
-            cpu_index = TierIndex("cpu", TierPartition("cpu", cpu_slots, clock=self._clock))
-            nvme = nvme_index = None
-            if self.config.nvme is not None and nvme_slots:
-                nvme = await self._tiers.nvme(base, group, chunk_bytes, nvme_slots, self.config.nvme)
-                nvme_index = TierIndex("nvme", TierPartition("nvme", nvme_slots, clock=self._clock))
-            pool = _Pool(base, group, policy, cpu, cpu_index, nvme, nvme_index)
-            owner = self._owner(pool, base)
-            if nvme is not None and nvme_index is not None:
-                # A warm restart cannot tell which tenant stored a chunk: it counts in the base share.
-                for key, slot in nvme.recovered().items():
-                    nvme_index.restore(key, slot, owner)
-            self._pools[(base.fingerprint_hex, group)] = pool
+        for pool in pools:
+            self._pools[(base.fingerprint_hex, pool.group)] = pool
             log.info(
                 "pool.opened",
                 namespace=pool.fingerprint,
-                group=group,
+                group=pool.group,
                 cpu_chunks=cpu_slots,
                 nvme_chunks=nvme_slots,
-                recovered=len(nvme_index) if nvme_index is not None else 0,
+                recovered=len(pool.nvme_index) if pool.nvme_index is not None else 0,
             )
+
+    async def _open_pool(
+        self, base: Namespace, group: int, policy: NamespacePolicyConfig, cpu_slots: int, nvme_slots: int
+    ) -> _Pool:
+        chunk_bytes = base.geometry.chunk_bytes(group)
+        cpu = self._tiers.cpu(base, group, chunk_bytes, cpu_slots)
+        nvme = nvme_index = None
+        try:
+            if self.config.nvme is not None and nvme_slots:
+                nvme = await self._tiers.nvme(base, group, chunk_bytes, nvme_slots, self.config.nvme)
+                nvme_index = TierIndex("nvme", TierPartition("nvme", nvme_slots, clock=self._clock))
+        except BaseException:
+            await cpu.close()
+            raise
+        cpu_index = TierIndex("cpu", TierPartition("cpu", cpu_slots, clock=self._clock))
+        pool = _Pool(base, group, policy, cpu, cpu_index, nvme, nvme_index)
+        owner = self._owner(pool, base)
+        if nvme is not None and nvme_index is not None:
+            # A warm restart cannot tell which tenant stored a chunk: it counts in the base share.
+            for key, slot in nvme.recovered().items():
+                nvme_index.restore(key, slot, owner)
+        return pool
 
     def _owner(self, pool: _Pool, namespace: Namespace) -> str:
         """``namespace``'s share in the pool's partitions, added on its first use with the
         policy and quotas of its model's config. A quota that no longer fits beside the
-        others' is dropped (logged as ``quota.unavailable``): the tenant shares the rest."""
+        others' is dropped (logged as ``quota.unavailable``): the tenant shares the rest.
+
+        Shares are bounded (``max_tenants`` per pool): past the bound, tenants holding no
+        chunk lose their share, and if none does, the newcomer's chunks count in the
+        model's own share (logged as ``tenant.limit``); keys keep tenants apart either way.
+        """
         owner = namespace.fingerprint_hex
         if owner in pool.owners:
             return owner
-        for index in (pool.cpu_index, pool.nvme_index):
-            if index is None:
-                continue
+        indexes = [index for index in (pool.cpu_index, pool.nvme_index) if index is not None]
+        if len(pool.owners) >= self._max_tenants:
+            idle = [
+                other
+                for other in pool.owners
+                if other != pool.fingerprint and not any(index.partition.usage(other) for index in indexes)
+            ]
+            for other in idle:
+                for index in indexes:
+                    index.partition.remove_namespace(other)
+                pool.owners.discard(other)
+            if not idle:
+                log.warning("tenant.limit", namespace=owner, pool=pool.fingerprint, max_tenants=self._max_tenants)
+                return pool.fingerprint
+        for index in indexes:
             quota = pool.policy.quota_chunks.get(index.tier, 0)
             try:
                 index.partition.add_namespace(owner, pool.policy.policy, quota=quota)
@@ -545,7 +587,7 @@ class TieredKV:
         slots: list[int] = []
         for key, task in steps:
             if task is not None:
-                if not await asyncio.shield(task) or not pool.cpu_index.is_ready(key):
+                if not await self._promoted(task) or not pool.cpu_index.is_ready(key):
                     break  # failed, or evicted between its promotion and now: a miss
                 pool.cpu_index.pin(key)
                 pinned.append((pool, key))
@@ -559,6 +601,18 @@ class TieredKV:
             if pool.policy.write_policy is WritePolicy.SELECTIVE and hits >= pool.policy.selective_hits:
                 self._write_behind(pool, [key])
         return slots
+
+    @staticmethod
+    async def _promoted(task: asyncio.Task[bool]) -> bool:
+        """Wait for a shared promotion without letting this caller's cancellation cancel
+        it for the others; a promotion cancelled by someone else (close) is a miss."""
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and current is not None and not current.cancelling():
+                return False
+            raise
 
     async def _promote(self, pool: _Pool, key: ChunkKey) -> bool:
         """Read one chunk nvme → cpu (shared by every load that needs it); True when READY."""
@@ -621,6 +675,11 @@ class TieredKV:
         self._check()
         bound = sum(len(k) for k in keys)
         await self._store_budget.take(bound)
+        try:
+            self._check()  # closed, or failed, while this store waited for room
+        except BaseException:
+            self._store_budget.give(bound)
+            raise
         # Events of this store, in its background tasks too, carry the request and namespace.
         with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
             return self._submit_store(namespace, request_id, keys, block_ids, bound)
@@ -669,9 +728,10 @@ class TieredKV:
                 owner = self._owner(pool, namespace)
                 reservation = pool.cpu_index.reserve((key for key, _ in chunks), owner) if chunks else None
                 if chunks and reservation is None:
+                    # Nothing has been copied yet: undo the other groups' reservations,
+                    # their victims included, so that a rejected store changes nothing.
                     for done_pool, done in reservations:
-                        for key in done.slots:
-                            done_pool.cpu_index.drop(key)
+                        done_pool.cpu_index.unreserve(done)
                     self._stores_rejected += 1
                     log.info(
                         "tier.full", tier="cpu", namespace=pool.fingerprint, request_id=request_id, n_chunks=len(chunks)
@@ -693,9 +753,10 @@ class TieredKV:
             job = _StoreJob(pool, namespace.fingerprint_hex, namespace.tp_rank, request_id, chunks)
             self._jobs[request_id].add(job)
             self._job_count += 1
-            self._scheduler.spawn(
+            task = self._scheduler.spawn(
                 self._run_store(job, reservation.slots, reservation.evicted), name=f"store-{request_id}"
             )
+            task.add_done_callback(functools.partial(self._store_finished, job))
         if submitted:
             log.debug("store.submitted", namespace=pools[0].fingerprint, request_id=request_id, n_chunks=submitted)
         if skipped:
@@ -710,6 +771,7 @@ class TieredKV:
         self._job_count -= 1
 
     async def _run_store(self, job: _StoreJob, slots: dict[ChunkKey, int], evicted: list[Victim]) -> None:
+        job.started = True
         pool = job.pool
         started = self._clock()
         try:
@@ -727,8 +789,6 @@ class TieredKV:
         finally:
             # Done, failed or cancelled: no copy reads the engine's blocks any more.
             job.gpu_released.set_result(None)
-            self._job_done(job)
-            self._store_budget.give(len(job.chunks))
         for key, _ in job.chunks:
             pool.cpu_index.mark_ready(key)
             self._emit(pool, KVEventKind.STORED, "cpu", key, job.owner)
@@ -737,6 +797,16 @@ class TieredKV:
         log.debug("store.done", namespace=pool.fingerprint, request_id=job.request_id, n_chunks=len(job.chunks), ms=ms)
         if pool.policy.write_policy is WritePolicy.WRITE_THROUGH:
             self._write_behind(pool, [key for key, _ in job.chunks])
+
+    def _store_finished(self, job: _StoreJob, task: asyncio.Task[None]) -> None:
+        """Whatever became of a store's task, give back what its job holds. A task
+        cancelled before its first step never ran ``_run_store``'s clean-up."""
+        if not job.started:
+            for key, _ in job.chunks:
+                job.pool.cpu_index.drop(key)
+            job.gpu_released.set_result(None)
+        self._job_done(job)
+        self._store_budget.give(len(job.chunks))
 
     # -- cpu → nvme --------------------------------------------------------------------
     def _write_behind(self, pool: _Pool, keys: list[ChunkKey]) -> None:
@@ -751,12 +821,12 @@ class TieredKV:
         except TieredKVError:
             log.info("store.skipped", tier="nvme", namespace=pool.fingerprint, n_chunks=len(keys), reason="queue full")
             return
-        self._scheduler.spawn(self._to_nvme(pool, keys), name="write-behind")
+        task = self._scheduler.spawn(self._to_nvme(pool, keys), name="write-behind")
+        task.add_done_callback(lambda _: self._write_behind_budget.give(len(keys)))
 
     async def _to_nvme(self, pool: _Pool, keys: list[ChunkKey]) -> None:
         """Write-through and selective: copy READY cpu chunks to nvme, pinned meanwhile."""
         assert pool.nvme_index is not None
-        taken = len(keys)
         pinned = [k for k in keys if pool.cpu_index.is_ready(k) and k not in pool.nvme_index]
         try:
             chunks = [(key, pool.cpu_index.pin(key), pool.cpu_index.owner(key)) for key in pinned]
@@ -764,7 +834,6 @@ class TieredKV:
         finally:
             for key in pinned:
                 pool.cpu_index.unpin(key)
-            self._write_behind_budget.give(taken)
 
     async def _spill(self, pool: _Pool, evicted: list[Victim]) -> None:
         """Write-back: copy chunks the cpu tier just evicted to nvme before their slots are
@@ -825,7 +894,7 @@ class TieredKV:
             for job in jobs
             if (
                 namespace is None
-                or (job.pool.fingerprint == namespace.fingerprint_hex and job.rank == namespace.tp_rank)
+                or (job.pool.fingerprint, job.rank) == (namespace.base.fingerprint_hex, namespace.tp_rank)
             )
             and (wanted is None or not wanted.isdisjoint(job.blocks))
         ]

@@ -107,6 +107,12 @@ class TierPartition:
         built = make_policy(policy, self.capacity, clock=self._clock, rng=child_rng)
         self._shares[namespace] = _Share(built, quota, len(self._shares))
 
+    def remove_namespace(self, namespace: str) -> None:
+        """Forget a namespace that holds no chunk here, freeing its quota for others."""
+        if self.usage(namespace):
+            raise PolicyError(f"namespace {namespace!r} still holds {self.usage(namespace)} chunks in {self.tier}")
+        del self._shares[namespace]
+
     def _share(self, namespace: str) -> _Share:
         try:
             return self._shares[namespace]

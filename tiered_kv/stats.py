@@ -20,15 +20,18 @@ class Statistics(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of one :class:`TieredKV`; every counter is cumulative since start."""
 
     tiers: list[TierUsage]
-    #: Chunks served from each tier by loads.
+    #: Chunks served from each tier by loads, counted per KV group.
     hits: dict[str, int]
-    #: Chunks a lookup asked for that no tier held ready.
+    #: Chunk positions lookups asked for beyond the ready prefix they found; every lookup
+    #: call counts, so an engine that asks twice for a request counts its misses twice.
     misses: int
     #: Bytes moved per direction, e.g. ``"gpu->cpu"``.
     bytes_moved: dict[str, int]
     #: Chunks whose store is submitted but not yet read from the GPU; loads in flight.
     queue_depths: dict[str, int]
-    #: Loads turned into misses, by reason (``span``, ``transfer``, ``cancelled``, ...).
+    #: Loads that returned fewer tokens than asked, by reason: ``span`` (a sliding-window
+    #: span out of bounds: nothing loaded), ``transfer`` (a copy failed, or a chunk left
+    #: its tier between lookup and load: the good prefix was loaded).
     loads_rejected: dict[str, int]
     #: Stores refused whole because no tier had room (``cannot store now``).
     stores_rejected: int

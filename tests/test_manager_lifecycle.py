@@ -1,0 +1,193 @@
+"""TieredKV at the edges of its lifecycle: close while work waits, failed registration,
+tenants coming and going, a multi-group store that is rejected."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import make_namespace, mla_geometry
+from test_manager_control import CHUNK, NS, blocks_for, config, gpu_tensors, keys_for, open_harness, settle
+
+from tiered_kv import (
+    CpuTierConfig,
+    KVGeometry,
+    KVGroup,
+    Namespace,
+    NvmeTierConfig,
+    TieredKV,
+    TieredKVConfig,
+    TieredKVError,
+    chunk_keys,
+)
+from tiered_kv.errors import TierIOError
+from tiered_kv.null import NullTier, NullTiers
+from tiered_kv.stats import KVEventKind
+
+
+async def test_flush_from_a_tenant_waits_for_stores_reading_those_blocks() -> None:
+    harness = await open_harness(config())
+    tenant = make_namespace(cache_salt="tenant")
+    harness.gpu.gate.clear()
+    await harness.kv.store(tenant, request_id="t", keys=[keys_for(1, ns=tenant)], block_ids=[blocks_for(1)])
+    assert not harness.kv.flush_nowait([0], namespace=tenant)
+    flushed = asyncio.ensure_future(harness.kv.flush([0], namespace=tenant))
+    await settle()
+    assert not flushed.done()
+    harness.gpu.gate.set()
+    await flushed
+    await harness.kv.close()
+
+
+async def test_close_right_after_a_store_releases_its_job_before_it_ran() -> None:
+    harness = await open_harness(config())
+    await harness.store(keys_for(2), request_id="early")  # the store task has not had a step yet
+    await harness.kv.close(drain=False)
+    # finish_request must not hang on a job whose task never ran.
+    assert harness.kv._jobs == {} and harness.kv.statistics().queue_depths["stores"] == 0
+    harness.kv.check_invariants()
+    assert harness.kv.statistics().tiers[0].used_chunks == 0
+
+
+async def test_a_store_waiting_for_room_when_the_manager_closes_fails_cleanly() -> None:
+    harness = await open_harness(config(cpu_chunks=64), max_store_chunks=2)
+    harness.gpu.gate.clear()
+    await harness.store(keys_for(2), request_id="full")
+    waiting = asyncio.ensure_future(harness.store(keys_for(1, start=9_000), request_id="late", offset=40))
+    await settle()
+    await harness.kv.close(drain=False)
+    with pytest.raises(TieredKVError, match="closed"):
+        await waiting
+    stats = harness.kv.statistics()
+    assert stats.queue_depths["stores"] == 0 and stats.tiers[0].used_chunks == 0
+    harness.kv.check_invariants()
+
+
+class FailingNvme(NullTiers):
+    """Opening the nvme store fails the first ``failures`` times."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def nvme(self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, cfg: object) -> NullTier:
+        if self.failures:
+            self.failures -= 1
+            raise TierIOError("disk missing", tier="nvme")
+        return await super().nvme(namespace, group, slot_bytes, num_slots, cfg)  # type: ignore[arg-type]
+
+
+async def test_a_failed_registration_leaves_nothing_behind_and_can_be_retried() -> None:
+    two_groups = make_namespace(
+        geometry=KVGeometry(
+            dtype="float16",
+            block_size=4,
+            chunk_size=16,
+            groups=(
+                KVGroup(num_layers=1, num_kv_heads=1, head_dim=8),
+                KVGroup(num_layers=1, num_kv_heads=1, head_dim=8),
+            ),
+        )
+    )
+    chunk = two_groups.geometry.chunk_bytes(0) + two_groups.geometry.chunk_bytes(1)
+    cfg = TieredKVConfig(
+        cpu=CpuTierConfig(capacity_bytes=chunk * 4), nvme=NvmeTierConfig(root="/unused", capacity_bytes=chunk * 8)
+    )
+    tiers = FailingNvme(failures=1)
+    async with TieredKV(cfg, tiers=tiers) as kv:
+        with pytest.raises(TierIOError):
+            await kv.register(two_groups, [gpu_tensors()[0], gpu_tensors()[0]])
+        assert kv._pools == {}
+        closed = [tier for tier in tiers.made["cpu"] if tier._closed]
+        assert len(closed) == len(tiers.made["cpu"]) == 1  # the slab built before the failure was closed
+        await kv.register(two_groups, [gpu_tensors()[0], gpu_tensors()[0]])  # the budget is still there
+        assert kv.statistics().tiers[0].capacity_chunks == 2 * 4
+
+
+class SlowNvme(NullTiers):
+    """Opening the nvme store takes a trip through the event loop, as a real one does."""
+
+    async def nvme(self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, cfg: object) -> NullTier:
+        await asyncio.sleep(0)
+        return await super().nvme(namespace, group, slot_bytes, num_slots, cfg)  # type: ignore[arg-type]
+
+
+async def test_replicated_ranks_registering_at_once_share_one_set_of_pools() -> None:
+    tiers = SlowNvme()
+    ranks = [make_namespace(geometry=mla_geometry(), tp_size=2, tp_rank=r) for r in range(2)]
+    chunk = ranks[0].geometry.chunk_bytes()
+    cfg = TieredKVConfig(
+        cpu=CpuTierConfig(capacity_bytes=chunk * 4), nvme=NvmeTierConfig(root="/unused", capacity_bytes=chunk * 4)
+    )
+    async with TieredKV(cfg, tiers=tiers) as kv:
+        await asyncio.gather(*(kv.register(ns, gpu_tensors()) for ns in ranks))
+        assert len(tiers.made["cpu"]) == 1 and len(tiers.made["gpu"]) == 2
+
+
+async def test_a_load_waiting_on_a_promotion_that_close_cancels_is_a_miss() -> None:
+    harness = await open_harness(config(cpu_chunks=1, nvme_chunks=4))
+    keys = keys_for(1)
+    await harness.store(keys)
+    await harness.kv.drain()
+    await harness.store(keys_for(1, start=70_000), offset=100)
+    await harness.kv.drain()
+    harness.nvme.gate.clear()
+    load = asyncio.ensure_future(harness.load(keys))
+    await settle()
+    await harness.kv._scheduler.close()  # what close(drain=False) does to background copies
+    assert await load == 0
+    harness.kv.check_invariants()
+    await harness.kv.close(drain=False)
+
+
+async def test_idle_tenants_give_their_shares_back_past_the_bound() -> None:
+    tiers = NullTiers()
+    async with TieredKV(config(cpu_chunks=2, nvme_chunks=None), tiers=tiers, max_tenants=3) as kv:
+        await kv.register(NS, gpu_tensors())
+        for i in range(12):
+            tenant = make_namespace(cache_salt=f"user-{i}")
+            result = await kv.store(
+                tenant, request_id=f"r{i}", keys=[keys_for(1, ns=tenant)], block_ids=[blocks_for(1)]
+            )
+            assert not result.rejected
+            await kv.finish_request(f"r{i}")
+            (pool,) = kv._pools.values()
+            assert len(pool.owners) <= 3 and len(pool.cpu_index.partition.namespaces()) <= 3
+            kv.check_invariants()
+        latest = make_namespace(cache_salt="user-11")
+        assert kv.lookup(latest, [keys_for(1, ns=latest)]) == 1
+
+
+async def test_a_rejected_multi_group_store_changes_nothing_in_any_group() -> None:
+    two_groups = make_namespace(
+        geometry=KVGeometry(
+            dtype="float16",
+            block_size=4,
+            chunk_size=16,
+            groups=(
+                KVGroup(num_layers=1, num_kv_heads=1, head_dim=8),
+                KVGroup(num_layers=1, num_kv_heads=1, head_dim=8),
+            ),
+        )
+    )
+    chunk = two_groups.geometry.chunk_bytes(0) + two_groups.geometry.chunk_bytes(1)
+    tiers = NullTiers()
+    async with TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=chunk * 2)), tiers=tiers) as kv:
+        await kv.register(two_groups, [gpu_tensors()[0], gpu_tensors()[0]])
+        table = blocks_for(2)
+        old = [chunk_keys(two_groups, list(range(32)), group=g) for g in range(2)]
+        await kv.store(two_groups, request_id="old", keys=old, block_ids=[table, table])
+        await kv.finish_request("old")
+        tiers.made["gpu"][1].gate.clear()  # group 1's next chunks stay PENDING: unevictable
+        pending = chunk_keys(two_groups, list(range(500, 532)), group=1)
+        await kv.store(two_groups, request_id="pending", keys=[[], pending], block_ids=[[], table])
+        kv.drain_events()
+        new = [chunk_keys(two_groups, list(range(900, 916)), group=g) for g in range(2)]
+        result = await kv.store(two_groups, request_id="new", keys=new, block_ids=[table, table])
+        assert result.rejected
+        group0 = kv._pools[(two_groups.fingerprint_hex, 0)]
+        assert all(group0.cpu_index.is_ready(key) for key in old[0])  # group 0 kept its chunks
+        assert not [e for e in kv.drain_events() if e.kind is KVEventKind.REMOVED]
+        kv.check_invariants()
+        tiers.made["gpu"][1].gate.set()
+        assert CHUNK > 0
