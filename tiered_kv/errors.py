@@ -73,6 +73,11 @@ class CorruptChunk(TierError):
     """Stored bytes failed verification (header, namespace, key, length or checksum)."""
 
 
+class CorruptStore(TierError):
+    """A store's record of what it holds contradicts the namespace it is opened for; only
+    tampering gets it there, because a store's directory is named after its namespace."""
+
+
 class TierClosedError(TierError):
     """The driver was used after :meth:`close`."""
 
