@@ -58,6 +58,8 @@ class TierError(TieredKVError):
 
     def __init__(self, message: str, *, tier: str):
         self.tier = tier
+        #: The message without the tier's name in front.
+        self.detail = message
         super().__init__(f"{tier}: {message}")
 
 

@@ -4,7 +4,8 @@ Under ``<root>/<namespace.dir_name>/`` (directory 0700, files 0600) ``namespace.
 records the namespace (written by the first open, checked by every later one), and each
 KV group ``g`` has ``g<g>.slots`` (``num_slots`` slots, each a 4 KiB header then the
 payload padded to 4 KiB, see :mod:`tiers.nvme_format`), ``g<g>.manifest`` (which slot
-holds which key) and ``g<g>.lock`` (one process per store).
+holds which key) and ``g<g>.lock`` (one process per store). :meth:`NvmeTier.inspect`
+reports on such directories without opening a store.
 
 Writes and reads are one ``pwritev``/``preadv`` of header and payload, with ``O_DIRECT``
 where the filesystem allows it (host buffers are cpu-tier slots, page-aligned, so the
@@ -50,6 +51,7 @@ import msgspec
 import torch
 
 from tiered_kv.errors import CorruptChunk, CorruptStore, TierError, TierIOError
+from tiered_kv.inspection import Inspection
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.log import get_logger
@@ -82,6 +84,7 @@ from tiers.nvme_format import (
     slot_stride,
     verify_slot,
 )
+from tiers.nvme_inspect import inspect_root
 
 _ZEROS = bytes(HEADER_BYTES)
 
@@ -285,6 +288,21 @@ class NvmeTier(DriverBase):
             await tier._release()
             raise
         return tier
+
+    @staticmethod
+    def inspect(root: str | os.PathLike[str], *, verify: bool = False) -> Inspection:
+        """What the nvme stores under ``root`` hold (``root`` may also be one store's
+        directory): namespace, and per KV group slots, chunks and bytes; with ``verify``,
+        every chunk the manifests list is read and checked as a reopen would check it.
+
+        Read-only and blocking (not for an event loop): files are opened ``O_RDONLY``, no
+        lock is taken, nothing is written, so a store that a live process has open can be
+        inspected. Its answer is then a snapshot of files that are changing: a chunk being
+        written, or a slot reused since the manifest was last saved, shows up as corrupt.
+        Inspect a store nobody has open for a verdict. Raises :class:`TierIOError` when
+        ``root`` cannot be read; an empty :class:`Inspection` when it holds no store.
+        """
+        return inspect_root(Path(root), verify=verify)
 
     @staticmethod
     def _open_files(

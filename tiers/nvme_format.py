@@ -18,6 +18,7 @@ configuration that wrote it.
 from __future__ import annotations
 
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Literal
@@ -44,11 +45,17 @@ NAMESPACE_FILE = "namespace.json"
 _FIXED = struct.Struct("<8sHHIQQ32s16s")
 _CHECK = struct.Struct("<Q")
 _TIER = "nvme"
+_GROUP_FILE = re.compile(r"g(\d+)\.(?:slots|manifest)")
 
 
 def group_file(directory: Path, group: int, kind: Literal["slots", "manifest", "lock"]) -> Path:
     """The slots file, manifest or lock file of KV group ``group`` in a store directory."""
     return directory / f"g{group}.{kind}"
+
+
+def store_groups(directory: Path) -> list[int]:
+    """The KV groups that have a slots file or a manifest in ``directory``, in order."""
+    return sorted({int(match[1]) for path in directory.iterdir() if (match := _GROUP_FILE.fullmatch(path.name))})
 
 
 def slot_stride(slot_bytes: int) -> int:
