@@ -15,11 +15,11 @@ import torch
 from conftest import make_namespace
 from structlog.testing import capture_logs
 
-from tiered_kv.errors import CorruptChunk, TierFullError, TierIOError
+from tiered_kv.errors import CorruptChunk, CorruptStore, TierFullError, TierIOError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.namespace import Namespace
 from tiers.nvme import NvmeTier
-from tiers.nvme_format import HEADER_BYTES
+from tiers.nvme_format import HEADER_BYTES, decode_namespace, encode_namespace
 
 SLOT = 3 * 4096
 SLOTS = 6
@@ -139,6 +139,11 @@ async def test_another_namespace_never_reads_these_chunks(tmp_path: Path) -> Non
     await tier.close()
     # Someone moves our files where the other namespace looks for its own.
     (tmp_path / mine.dir_name).rename(tmp_path / theirs.dir_name)
+    with pytest.raises(CorruptStore, match="records acme/tiny@r1"):
+        await open_store(tmp_path, theirs)
+    # Without the namespace record (a store from before stores kept one), the manifest
+    # and every slot header still name the namespace that wrote them.
+    (tmp_path / theirs.dir_name / "namespace.json").unlink()
     with capture_logs() as logs:
         tier = await open_store(tmp_path, theirs)
     assert tier.recovered() == {}
@@ -170,6 +175,40 @@ async def test_directory_and_files_are_owner_only(tmp_path: Path) -> None:
     assert stat.S_IMODE((tmp_path / "root").stat().st_mode) == 0o700
     for path in tier.directory.iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+async def test_the_first_open_records_the_namespace_owner_only(tmp_path: Path) -> None:
+    os.umask(0o022)
+    namespace = make_namespace()
+    tier, other_group = await asyncio.gather(open_store(tmp_path), open_store(tmp_path, group=1))
+    record = tier.directory / "namespace.json"
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600
+    assert decode_namespace(record.read_bytes()) == namespace
+    assert sorted(path.name for path in tier.directory.iterdir() if "tmp" in path.name) == []
+    await asyncio.gather(tier.close(), other_group.close())
+    await (await open_store(tmp_path)).close()  # a reopen agrees with the record
+
+
+@pytest.mark.parametrize(
+    ("record", "refusal"),
+    [
+        (encode_namespace(make_namespace(model_revision="r2")), "records acme/tiny@r2"),
+        (b"{not json", "is not a namespace record"),
+        (b'{"model_id": "acme/tiny"}', "is not a namespace record"),
+    ],
+)
+async def test_a_store_whose_namespace_record_disagrees_is_refused(tmp_path: Path, record: bytes, refusal: str) -> None:
+    tier = await open_store(tmp_path)
+    await fill(tier, range(2))
+    await tier.close()
+    (tier.directory / "namespace.json").write_bytes(record)
+    with pytest.raises(CorruptStore, match=refusal):
+        await open_store(tmp_path)
+    assert (tier.directory / "namespace.json").read_bytes() == record, "the record is left as found"
+    (tier.directory / "namespace.json").write_bytes(encode_namespace(make_namespace()))
+    tier = await open_store(tmp_path)  # the refusal released the lock
+    assert sorted(tier.recovered().values()) == [0, 1]
+    await tier.close()
 
 
 async def test_buffered_io_where_o_direct_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

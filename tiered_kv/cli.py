@@ -1,4 +1,4 @@
-"""The ``tiered-kv`` command line: ``tiered-kv bench [SECTION ...]``.
+"""The ``tiered-kv`` command line: ``tiered-kv bench [SECTION ...]``, ``tiered-kv inspect DIR``.
 
 The CLI is the one place that configures structlog (console or JSON lines); the library
 only emits events.
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import structlog
 
 from tiered_kv.bench import add_bench_parser
+from tiered_kv.inspect_command import add_inspect_parser
 
 
 def configure_logging(fmt: str, level: str) -> None:
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_bench_parser(subparsers)
+    add_inspect_parser(subparsers)
     return parser
 
 

@@ -58,6 +58,8 @@ class TierError(TieredKVError):
 
     def __init__(self, message: str, *, tier: str):
         self.tier = tier
+        #: The message without the tier's name in front.
+        self.detail = message
         super().__init__(f"{tier}: {message}")
 
 
@@ -71,6 +73,11 @@ class TierFullError(TierError):
 
 class CorruptChunk(TierError):
     """Stored bytes failed verification (header, namespace, key, length or checksum)."""
+
+
+class CorruptStore(TierError):
+    """A store's record of what it holds contradicts the namespace it is opened for; only
+    tampering gets it there, because a store's directory is named after its namespace."""
 
 
 class TierClosedError(TierError):

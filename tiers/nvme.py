@@ -1,13 +1,17 @@
 """The nvme tier: chunk slots in a preallocated file on local disk, verified on every read.
 
-Under ``<root>/<namespace.dir_name>/`` (directory 0700, files 0600) each KV group ``g``
-has ``g<g>.slots`` (``num_slots`` slots, each a 4 KiB header then the payload padded to
-4 KiB, see :mod:`tiers.nvme_format`), ``g<g>.manifest`` (which slot holds which key) and
-``g<g>.lock`` (one process per store). Writes and reads are one ``pwritev``/``preadv``
-of header and payload, with ``O_DIRECT`` where the filesystem allows it (host buffers
-are cpu-tier slots, page-aligned, so the disk reads and writes them in place; others go
-through an aligned staging buffer) and buffered I/O otherwise, with a warning
-``nvme.direct_io_unavailable``. ``io_depth`` worker threads bound the I/Os in flight.
+Under ``<root>/<namespace.dir_name>/`` (directory 0700, files 0600) ``namespace.json``
+records the namespace (written by the first open, checked by every later one), and each
+KV group ``g`` has ``g<g>.slots`` (``num_slots`` slots, each a 4 KiB header then the
+payload padded to 4 KiB, see :mod:`tiers.nvme_format`), ``g<g>.manifest`` (which slot
+holds which key) and ``g<g>.lock`` (one process per store). :meth:`NvmeTier.inspect`
+reports on such directories without opening a store.
+
+Writes and reads are one ``pwritev``/``preadv`` of header and payload, with ``O_DIRECT``
+where the filesystem allows it (host buffers are cpu-tier slots, page-aligned, so the
+disk reads and writes them in place; others go through an aligned staging buffer) and
+buffered I/O otherwise, with a warning ``nvme.direct_io_unavailable``. ``io_depth``
+worker threads bound the I/Os in flight.
 
 Crash safety: a write first forgets its slot, then writes header and payload, and only
 once every op of the batch is on disk does it record the slots in the manifest, which is
@@ -45,9 +49,9 @@ from pathlib import Path
 
 import msgspec
 import torch
-import xxhash
 
-from tiered_kv.errors import CorruptChunk, TierError, TierIOError
+from tiered_kv.errors import CorruptChunk, CorruptStore, TierError, TierIOError
+from tiered_kv.inspection import Inspection
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.log import get_logger
@@ -66,16 +70,22 @@ from tiers._driver import (
 from tiers.nvme_format import (
     HEADER_BYTES,
     MAX_KEY_BYTES,
+    NAMESPACE_FILE,
+    SCAN_BYTES,
     Manifest,
     decode_manifest,
+    decode_namespace,
     encode_manifest,
+    encode_namespace,
+    group_file,
     pack_header,
     payload_checksum,
     read_header,
+    slot_stride,
+    verify_slot,
 )
+from tiers.nvme_inspect import inspect_root
 
-#: Bytes a recovery scan reads at a time per worker.
-_SCAN_BYTES = 1 << 20
 _ZEROS = bytes(HEADER_BYTES)
 
 log = get_logger("nvme")
@@ -91,7 +101,7 @@ class _Lane(threading.local):
     hands over an unaligned buffer) an aligned staging buffer of one slot."""
 
     def __init__(self) -> None:
-        self.block = mmap.mmap(-1, HEADER_BYTES + _SCAN_BYTES)
+        self.block = mmap.mmap(-1, HEADER_BYTES + SCAN_BYTES)
         view = memoryview(self.block)
         self.header = view[:HEADER_BYTES]
         self.scan = view[HEADER_BYTES:]
@@ -145,6 +155,53 @@ def _size(fd: int, size: int, path: Path) -> None:
             os.ftruncate(fd, size)
 
 
+def _replace(path: Path, data: bytes, *, tmp: Path) -> None:
+    """Make ``data`` the content of ``path`` (0600) all at once, also across a crash:
+    written to ``tmp``, synced, renamed over ``path``, then the directory synced."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _claim(directory: Path, namespace: Namespace, group: int) -> None:
+    """Record ``namespace`` in its store directory, or check that the record there is of it.
+
+    Called holding group ``group``'s lock, so the temporary file named after the group is
+    this caller's alone; openers of other groups write the same bytes.
+    """
+    path = directory / NAMESPACE_FILE
+    try:
+        recorded = decode_namespace(path.read_bytes())
+    except FileNotFoundError:
+        try:
+            _replace(path, encode_namespace(namespace), tmp=directory / f"{NAMESPACE_FILE}.g{group}.tmp")
+        except OSError as exc:
+            raise tier_error("nvme", f"cannot record the namespace in {path}", exc) from exc
+        return
+    except OSError as exc:
+        raise tier_error("nvme", f"cannot read {path}", exc) from exc
+    except msgspec.DecodeError as exc:
+        raise CorruptStore(f"{path} is not a namespace record: {exc}", tier="nvme") from exc
+    if recorded.fingerprint != namespace.fingerprint:
+        raise CorruptStore(
+            f"{path} records {recorded.model_id}@{recorded.model_revision} "
+            f"(fingerprint {recorded.fingerprint_hex[:16]}…), not this namespace",
+            tier="nvme",
+        )
+
+
 class NvmeTier(DriverBase):
     """``num_slots`` chunk slots of ``slot_bytes`` in a file; open with :meth:`open`."""
 
@@ -167,13 +224,13 @@ class NvmeTier(DriverBase):
         self.group = group
         self.io_depth = io_depth
         self.direct = direct
-        self.slot_stride = HEADER_BYTES + round_up(slot_bytes)
+        self.slot_stride = slot_stride(slot_bytes)
         self._fingerprint = namespace.fingerprint
         self._fd = fd
         self._lock_fd = lock_fd
         self._pool = pool
         self._lanes = _Lane()
-        self._manifest_path = directory / f"g{group}.manifest"
+        self._manifest_path = group_file(directory, group, "manifest")
         #: slot → key of every chunk a read may return (written here, or recovered).
         self._chunks: dict[int, ChunkKey] = {}
         self._recovered: dict[ChunkKey, int] = {}
@@ -204,11 +261,10 @@ class NvmeTier(DriverBase):
         if io_depth <= 0:
             raise ValueError(f"io_depth must be positive, got {io_depth}")
         directory = Path(root) / namespace.dir_name
-        stride = HEADER_BYTES + round_up(slot_bytes)
         pool = worker_pool("nvme", io_depth)
         try:
             [(fd, lock_fd, direct)] = await in_threads(
-                pool, cls._open_files, [(directory, group, stride * num_slots, direct_io)]
+                pool, cls._open_files, [(directory, namespace, group, slot_stride(slot_bytes) * num_slots, direct_io)]
             )
         except BaseException:
             pool.shutdown(wait=False)
@@ -234,17 +290,35 @@ class NvmeTier(DriverBase):
         return tier
 
     @staticmethod
-    def _open_files(directory: Path, group: int, size: int, direct_io: bool | None) -> tuple[int, int, bool]:
+    def inspect(root: str | os.PathLike[str], *, verify: bool = False) -> Inspection:
+        """What the nvme stores under ``root`` hold (``root`` may also be one store's
+        directory): namespace, and per KV group slots, chunks and bytes; with ``verify``,
+        every chunk the manifests list is read and checked as a reopen would check it.
+
+        Read-only and blocking (not for an event loop): files are opened ``O_RDONLY``, no
+        lock is taken, nothing is written, so a store that a live process has open can be
+        inspected. Its answer is then a snapshot of files that are changing: a chunk being
+        written, or a slot reused since the manifest was last saved, shows up as corrupt.
+        Inspect a store nobody has open for a verdict. Raises :class:`TierIOError` when
+        ``root`` cannot be read; an empty :class:`Inspection` when it holds no store.
+        """
+        return inspect_root(Path(root), verify=verify)
+
+    @staticmethod
+    def _open_files(
+        directory: Path, namespace: Namespace, group: int, size: int, direct_io: bool | None
+    ) -> tuple[int, int, bool]:
         try:
             directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             directory.mkdir(mode=0o700, exist_ok=True)
             os.chmod(directory, 0o700)
-            lock_fd = os.open(directory / f"g{group}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            lock_fd = os.open(group_file(directory, group, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise tier_error("nvme", f"cannot create {directory}", exc) from exc
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fd, direct = _open_slots(directory / f"g{group}.slots", size, direct_io)
+            _claim(directory, namespace, group)
+            fd, direct = _open_slots(group_file(directory, group, "slots"), size, direct_io)
         except BaseException as exc:
             os.close(lock_fd)
             if isinstance(exc, BlockingIOError):
@@ -401,27 +475,20 @@ class NvmeTier(DriverBase):
     def _verify(self, slot: int, key: ChunkKey) -> bool:
         """Whether ``slot`` holds ``key`` intact, read in pieces through the scan buffer."""
         lane = self._lanes
-        offset = slot * self.slot_stride
         try:
-            if os.preadv(self._fd, [lane.header], offset) != HEADER_BYTES:
-                return False
-            stored, length, checksum = read_header(lane.header, fingerprint=self._fingerprint, slot=slot)
-            if stored != key or not 0 < length <= self.slot_bytes:
-                return False
-            digest = xxhash.xxh3_128()
-            done = 0
-            while done < length:
-                piece = lane.scan[: min(len(lane.scan), round_up(length - done))]
-                got = os.preadv(self._fd, [piece], offset + HEADER_BYTES + done)
-                take = min(got, length - done)
-                if take <= 0:
-                    return False
-                digest.update(piece[:take])
-                done += take
-            return bytes(digest.digest()) == checksum
+            verify_slot(
+                self._fd,
+                slot=slot,
+                slot_bytes=self.slot_bytes,
+                key=key,
+                fingerprint=self._fingerprint,
+                header=lane.header,
+                scan=lane.scan,
+            )
         except (OSError, CorruptChunk) as exc:
             log.debug("nvme.slot_dropped", slot=slot, reason=str(exc))
             return False
+        return True
 
     # -- manifest and recovery ---------------------------------------------------------------
     def _load_manifest(self) -> dict[int, ChunkKey]:
@@ -484,22 +551,7 @@ class NvmeTier(DriverBase):
             self._saved = version
 
     def _replace_manifest(self, data: bytes) -> None:
-        tmp = self._manifest_path.with_suffix(".tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.fchmod(fd, 0o600)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self._manifest_path)
-            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            _replace(self._manifest_path, data, tmp=self._manifest_path.with_suffix(".tmp"))
         except OSError as exc:
             raise tier_error(self.name, "saving the manifest", exc) from exc

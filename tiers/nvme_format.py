@@ -9,16 +9,26 @@ itself. A reader that disagrees with any field gets :class:`CorruptChunk`, never
 
 The manifest lists which slot holds which key. It is a hint for warm restart, not a
 source of truth: every entry is verified against its slot before it is served again.
+
+``namespace.json`` records, once per store directory, the namespace its chunks belong to
+(model, dtype, geometry), so that a directory says what it holds without the
+configuration that wrote it.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import struct
+from pathlib import Path
+from typing import Literal
 
 import msgspec
 import xxhash
 
 from tiered_kv.errors import CorruptChunk
+from tiered_kv.namespace import Namespace
+from tiers._driver import round_up
 
 FORMAT_VERSION = 1
 MAGIC = b"TKVSLOT\0"
@@ -26,11 +36,31 @@ MAGIC = b"TKVSLOT\0"
 HEADER_BYTES = 4096
 #: The longest chunk key a header holds.
 MAX_KEY_BYTES = 256
+#: Bytes of payload that verifying a slot reads at a time.
+SCAN_BYTES = 1 << 20
+#: The file of a store directory that records its namespace.
+NAMESPACE_FILE = "namespace.json"
 
 # magic, version, key length, reserved, slot, payload length, namespace fingerprint, payload checksum
 _FIXED = struct.Struct("<8sHHIQQ32s16s")
 _CHECK = struct.Struct("<Q")
 _TIER = "nvme"
+_GROUP_FILE = re.compile(r"g(\d+)\.(?:slots|manifest)")
+
+
+def group_file(directory: Path, group: int, kind: Literal["slots", "manifest", "lock"]) -> Path:
+    """The slots file, manifest or lock file of KV group ``group`` in a store directory."""
+    return directory / f"g{group}.{kind}"
+
+
+def store_groups(directory: Path) -> list[int]:
+    """The KV groups that have a slots file or a manifest in ``directory``, in order."""
+    return sorted({int(match[1]) for path in directory.iterdir() if (match := _GROUP_FILE.fullmatch(path.name))})
+
+
+def slot_stride(slot_bytes: int) -> int:
+    """Bytes one slot of up to ``slot_bytes`` payload takes in the slots file."""
+    return HEADER_BYTES + round_up(slot_bytes)
 
 
 def payload_checksum(payload: memoryview) -> bytes:
@@ -67,6 +97,44 @@ def read_header(raw: bytes | memoryview, *, fingerprint: bytes, slot: int) -> tu
     return bytes(raw[_FIXED.size : end]), length, checksum
 
 
+def verify_slot(
+    fd: int,
+    *,
+    slot: int,
+    slot_bytes: int,
+    key: bytes,
+    fingerprint: bytes,
+    header: memoryview,
+    scan: memoryview,
+) -> None:
+    """Check that ``slot`` of the slots file open as ``fd`` holds chunk ``key`` intact.
+
+    The payload is read and hashed a piece of ``scan`` at a time, so a chunk of any size
+    needs no buffer of its size; ``header`` takes the header block. When ``fd`` does
+    ``O_DIRECT`` both must be page-aligned and ``scan`` a whole number of pages. Raises
+    :class:`CorruptChunk` saying what is wrong, or the ``OSError`` of a failed read.
+    """
+    offset = slot * slot_stride(slot_bytes)
+    if os.preadv(fd, [header[:HEADER_BYTES]], offset) != HEADER_BYTES:
+        raise CorruptChunk(f"slot {slot} is cut short (no whole header)", tier=_TIER)
+    stored, length, checksum = read_header(header, fingerprint=fingerprint, slot=slot)
+    if stored != key:
+        raise CorruptChunk(f"slot {slot} holds another chunk", tier=_TIER)
+    if not 0 < length <= slot_bytes:
+        raise CorruptChunk(f"slot {slot}: header gives {length} payload bytes, not 1 to {slot_bytes}", tier=_TIER)
+    digest = xxhash.xxh3_128()
+    done = 0
+    while done < length:
+        piece = scan[: min(len(scan), round_up(length - done))]
+        take = min(os.preadv(fd, [piece], offset + HEADER_BYTES + done), length - done)
+        if take <= 0:
+            raise CorruptChunk(f"slot {slot} is cut short ({done} of {length} payload bytes)", tier=_TIER)
+        digest.update(piece[:take])
+        done += take
+    if bytes(digest.digest()) != checksum:
+        raise CorruptChunk(f"slot {slot}: payload checksum mismatch", tier=_TIER)
+
+
 class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Which slot holds which chunk key, for one namespace and KV group."""
 
@@ -85,3 +153,13 @@ def encode_manifest(manifest: Manifest) -> bytes:
 def decode_manifest(data: bytes) -> Manifest:
     """The manifest in ``data``; ``msgspec.DecodeError`` (a ``ValueError``) when it is not one."""
     return msgspec.msgpack.decode(data, type=Manifest)
+
+
+def encode_namespace(namespace: Namespace) -> bytes:
+    """``namespace`` as indented JSON, for people as much as for programs."""
+    return msgspec.json.format(msgspec.json.encode(namespace), indent=2) + b"\n"
+
+
+def decode_namespace(data: bytes) -> Namespace:
+    """The namespace in ``data``; ``msgspec.DecodeError`` (a ``ValueError``) when it is not one."""
+    return msgspec.json.decode(data, type=Namespace)

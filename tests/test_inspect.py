@@ -1,0 +1,313 @@
+"""``tiered-kv inspect``: what an nvme directory holds, and which slots ``--verify`` finds
+corrupt, on stores written by the real nvme driver and then damaged behind its back."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_namespace
+
+from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
+from tiered_kv.cli import main
+from tiered_kv.interfaces import TransferOp
+from tiered_kv.registry import TIERS
+from tiers.nvme import NvmeTier
+from tiers.nvme_format import HEADER_BYTES, Manifest, decode_manifest, encode_manifest
+
+SLOT = 3 * 4096
+SLOTS = 6
+STRIDE = HEADER_BYTES + SLOT
+#: Chunks written per KV group of the hybrid store.
+CHUNKS = {0: 3, 1: 2}
+
+
+def hybrid() -> Namespace:
+    geometry = KVGeometry(
+        dtype="bfloat16",
+        block_size=4,
+        chunk_size=16,
+        groups=(
+            KVGroup(num_layers=2, num_kv_heads=2, head_dim=8),
+            KVGroup(kind=AttentionKind.SLIDING_WINDOW, num_layers=3, num_kv_heads=2, head_dim=8, window=32),
+        ),
+    )
+    return make_namespace(model_id="acme/hybrid", model_revision="v2", geometry=geometry)
+
+
+def key(group: int, slot: int) -> bytes:
+    return bytes([group, slot]) * 8
+
+
+def payload(group: int, slot: int) -> torch.Tensor:
+    seed = torch.Generator().manual_seed(group * 100 + slot)
+    return torch.randint(0, 256, (SLOT,), dtype=torch.uint8, generator=seed)
+
+
+async def open_group(root: Path, group: int, namespace: Namespace | None = None) -> NvmeTier:
+    return await NvmeTier.open(root, namespace or hybrid(), slot_bytes=SLOT, num_slots=SLOTS, io_depth=2, group=group)
+
+
+async def write_group(tier: NvmeTier, chunks: int) -> None:
+    await tier.write([TransferOp(buffer=payload(tier.group, s), key=key(tier.group, s), slot=s) for s in range(chunks)])
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> Path:
+    """An nvme root holding one hybrid model's store: 3 chunks in group 0, 2 in group 1."""
+    root = tmp_path / "nvme"
+    for group, chunks in CHUNKS.items():
+        tier = await open_group(root, group)
+        await write_group(tier, chunks)
+        await tier.close()
+    return root
+
+
+def store_dir(root: Path) -> Path:
+    return root / hybrid().dir_name
+
+
+def patch(root: Path, group: int, offset: int, data: bytes) -> None:
+    with (store_dir(root) / f"g{group}.slots").open("r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def flip_byte(root: Path, group: int, offset: int) -> None:
+    with (store_dir(root) / f"g{group}.slots").open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x5A]))
+
+
+def inspect_cli(capsys: pytest.CaptureFixture[str], root: Path, *options: str) -> tuple[int, str, dict[str, Any]]:
+    """Run the command; its exit status, its printed report and its JSON report."""
+    out = root.parent / "inspect.json"
+    code = main(["inspect", str(root), *options, "--json", str(out)])
+    return code, capsys.readouterr().out, json.loads(out.read_text())
+
+
+def damage_lines(report: str) -> list[str]:
+    return [line for line in report.splitlines() if line.startswith(("corrupt:", "problem:"))]
+
+
+def row(report: str, group: int) -> list[str]:
+    [line] = [line for line in report.splitlines() if line.split()[:1] == [str(group)]]
+    return line.split()
+
+
+def test_inspect_lists_the_namespace_and_each_groups_slots_chunks_and_bytes(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, report, document = inspect_cli(capsys, store)
+    assert code == 0
+    assert f"store {store_dir(store)}" in report
+    assert "model acme/hybrid  revision v2  dtype bfloat16  kv layout NHD  block 4 tokens  chunk 16 tokens" in report
+    [headers] = [re.split(r"\s{2,}", line) for line in report.splitlines() if line.startswith("group ")]
+    assert headers == [
+        *("group", "kind", "layers", "kv heads", "head dim", "window"),
+        *("slot bytes", "slots", "chunks", "chunk bytes", "file bytes"),
+    ]
+    file_bytes = f"{SLOTS * STRIDE:,}"
+    assert " ".join(row(report, 0)) == f"0 full 2 2 8 - 12,288 6 3 36,864 {file_bytes}"
+    assert " ".join(row(report, 1)) == f"1 sliding_window 3 2 8 32 12,288 6 2 24,576 {file_bytes}"
+    assert report.rstrip().endswith("total: 1 store(s), 5 chunks, 61,440 chunk bytes")
+    [entry] = document["stores"]
+    assert entry["namespace"]["model_id"] == "acme/hybrid" and entry["fingerprint"] == hybrid().fingerprint_hex
+    assert [(g["group"], g["slots"], g["chunks"], g["verified"]) for g in entry["groups"]] == [
+        (0, SLOTS, 3, None),
+        (1, SLOTS, 2, None),
+    ]
+
+
+def test_verify_on_an_intact_store_checks_every_chunk_and_exits_0(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    assert code == 0
+    assert row(report, 0)[-1] == "3/3" and row(report, 1)[-1] == "2/2"
+    assert damage_lines(report) == []
+    assert report.rstrip().endswith("verified 5 of 5 chunks, 0 corrupt: all verify")
+    assert document["verified"] is True
+    assert [(g["verified"], g["corrupt"]) for g in document["stores"][0]["groups"]] == [(3, []), (2, [])]
+
+
+def test_verify_reports_exactly_the_slot_whose_payload_byte_was_flipped(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flip_byte(store, group=0, offset=1 * STRIDE + HEADER_BYTES + 777)
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    assert row(report, 0)[-1] == "2/3" and row(report, 1)[-1] == "2/2"
+    assert damage_lines(report) == [f"corrupt: group 0: slot 1: payload checksum mismatch (key {key(0, 1).hex()})"]
+    groups = document["stores"][0]["groups"]
+    assert groups[0]["corrupt"] == [{"slot": 1, "key": key(0, 1).hex(), "reason": "slot 1: payload checksum mismatch"}]
+    assert groups[1]["corrupt"] == []
+    assert "verified 4 of 5 chunks, 1 corrupt: damaged" in report
+
+
+def test_without_verify_a_corrupt_slot_goes_unnoticed_and_the_exit_is_0(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flip_byte(store, group=0, offset=HEADER_BYTES)
+    code, report, _ = inspect_cli(capsys, store)
+    assert code == 0 and damage_lines(report) == []
+
+
+def copy_slot_0_to_2(root: Path) -> None:
+    with (store_dir(root) / "g0.slots").open("r+b") as f:
+        moved = f.read(STRIDE)
+        f.seek(2 * STRIDE)
+        f.write(moved)
+
+
+def list_another_key_for_slot_0(root: Path) -> None:
+    path = store_dir(root) / "g0.manifest"
+    listed = decode_manifest(path.read_bytes())
+    chunks = listed.chunks | {0: key(9, 9)}
+    path.write_bytes(encode_manifest(Manifest(fingerprint=listed.fingerprint, group=0, slot_bytes=SLOT, chunks=chunks)))
+
+
+DAMAGES = {
+    "header zeroed": (lambda root: patch(root, 0, 0, bytes(HEADER_BYTES)), 0, "slot 0 holds no chunk header"),
+    "header field flipped": (lambda root: flip_byte(root, 0, 30), 0, "slot 0: header checksum mismatch"),
+    "misdirected write": (copy_slot_0_to_2, 2, "slot 2: header written for slot 0"),
+    "manifest lists another key": (list_another_key_for_slot_0, 0, "slot 0 holds another chunk"),
+    "slots file truncated": (
+        lambda root: os.truncate(store_dir(root) / "g0.slots", 2 * STRIDE + HEADER_BYTES + 100),
+        2,
+        "slot 2: outside the slots file's 2 slots",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_verify_says_why_a_slot_is_corrupt(store: Path, capsys: pytest.CaptureFixture[str], damage: str) -> None:
+    do, slot, reason = DAMAGES[damage]
+    do(store)
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    [bad] = document["stores"][0]["groups"][0]["corrupt"]
+    assert (bad["slot"], bad["reason"]) == (slot, reason)
+    assert f"corrupt: group 0: {reason} (key " in report
+
+
+def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
+    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(directory.iterdir())}
+
+
+async def test_inspect_of_a_store_in_use_changes_nothing_and_leaves_it_usable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "nvme"
+    live = await open_group(root, 0)
+    await write_group(live, 3)
+    before = snapshot(live.directory)
+    code, report, _ = inspect_cli(capsys, root, "--verify")
+    assert code == 0 and row(report, 0)[-1] == "3/3"
+    assert snapshot(live.directory) == before, "inspect wrote, created or touched a file"
+    await live.write([TransferOp(buffer=payload(0, 4), key=key(0, 4), slot=4)])  # the owner still holds its lock
+    await live.close()
+    reopened = await open_group(root, 0)
+    assert sorted(reopened.recovered().values()) == [0, 1, 2, 4]
+    await reopened.close()
+
+
+def test_a_store_directory_itself_may_be_inspected(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, document = inspect_cli(capsys, store_dir(store), "--verify")
+    assert code == 0
+    assert [entry["directory"] for entry in document["stores"]] == [str(store_dir(store))]
+
+
+async def test_each_namespace_of_a_root_is_listed(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tier = await open_group(store, 0, make_namespace())
+    await tier.write([TransferOp(buffer=payload(0, 0), key=key(0, 0), slot=0)])
+    await tier.close()
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    assert code == 0
+    models = sorted((entry["namespace"]["model_id"], entry["directory"]) for entry in document["stores"])
+    assert models == sorted(
+        [("acme/hybrid", str(store_dir(store))), ("acme/tiny", str(store / make_namespace().dir_name))]
+    )
+    assert "2 store(s), 6 chunks" in report
+
+
+def test_an_unreadable_manifest_is_damage_that_verify_reports(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (store_dir(store) / "g1.manifest").write_bytes(b"not msgpack")
+    code, report, _ = inspect_cli(capsys, store)
+    assert code == 0, "without --verify the exit status does not judge"
+    assert "problem: group 1: the manifest is unreadable" in report
+    assert row(report, 1)[6:9] == ["?", "?", "0"]
+    code, _, _ = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+
+
+def test_a_store_without_a_namespace_record_is_still_listed_and_verified(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (store_dir(store) / "namespace.json").unlink()
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    assert code == 0
+    assert "namespace not recorded" in report
+    assert document["stores"][0]["namespace"] is None
+    assert row(report, 0)[1:6] == ["?"] * 5 and row(report, 0)[-1] == "3/3"
+
+
+def test_a_store_moved_to_another_namespaces_directory_is_damage(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    moved = store / make_namespace().dir_name
+    store_dir(store).rename(moved)
+    code, report, _ = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    assert damage_lines(report) == [
+        f"problem: its namespace.json belongs in {hybrid().dir_name}: opening this store is refused"
+    ]
+
+
+@pytest.mark.parametrize("make", ["missing", "empty", "a file"])
+def test_a_directory_without_a_store_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], make: str
+) -> None:
+    target = tmp_path / "target"
+    if make == "empty":
+        target.mkdir()
+    elif make == "a file":
+        target.write_text("hello")
+    assert main(["inspect", str(target), "--verify"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    expected = "holds no tiered-kv store" if make == "empty" else "is not a directory"
+    assert captured.err.strip() == f"tiered-kv inspect: {target} {expected}"
+
+
+def test_an_nvme_driver_that_cannot_inspect_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    TIERS.register("nvme", object())
+    try:
+        assert main(["inspect", str(tmp_path)]) == 2
+    finally:
+        TIERS.unregister("nvme")
+    assert "cannot inspect" in capsys.readouterr().err
+
+
+def test_the_console_command_exits_1_on_a_corrupt_store(store: Path) -> None:
+    flip_byte(store, group=1, offset=1 * STRIDE + HEADER_BYTES + SLOT - 1)
+    result = subprocess.run(
+        [sys.executable, "-m", "tiered_kv.cli", "inspect", str(store), "--verify"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "model acme/hybrid" in result.stdout
+    assert f"corrupt: group 1: slot 1: payload checksum mismatch (key {key(1, 1).hex()})" in result.stdout

@@ -1,0 +1,146 @@
+"""``tiered-kv inspect DIR [--verify] [--json PATH]``: what an nvme cache directory holds.
+
+The nvme driver, found by name in :data:`tiered_kv.registry.TIERS`, does the inspecting
+(:class:`tiered_kv.inspection.InspectableTier`); this module asks it and renders the
+answer for people: per store its namespace and a table of its KV groups, then whatever
+is damaged. Exit status: 0; 1 when ``--verify`` found damage; 2 when ``DIR`` is not a
+directory holding a store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import msgspec
+
+from tiered_kv.bench.report import Table
+from tiered_kv.errors import TieredKVError
+from tiered_kv.inspection import GroupReport, InspectableTier, Inspection, StoreReport
+from tiered_kv.namespace import Namespace
+from tiered_kv.registry import TIERS
+
+#: Exit status when ``--verify`` found a corrupt chunk or damaged file.
+EXIT_DAMAGED = 1
+#: Exit status when there is nothing to inspect.
+EXIT_USAGE = 2
+
+
+def add_inspect_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="list what an nvme cache directory holds; --verify checks every chunk",
+        description="List the stores of an nvme cache directory: namespace (model, dtype, geometry) and per KV group "
+        "slots, chunks and bytes. Read-only: a store in use may be inspected, but then chunks being written can "
+        "show up as corrupt. Exit status 0, 1 when --verify finds damage, 2 when DIR holds no store.",
+    )
+    parser.add_argument("directory", type=Path, metavar="DIR", help="the nvme root, or one store's directory")
+    parser.add_argument(
+        "--verify", action="store_true", help="read every chunk the manifests list and check it as a reopen would"
+    )
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON")
+    parser.set_defaults(handler=run_inspect)
+
+
+def run_inspect(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Inspect ``args.directory``; print the report; write JSON; the exit status."""
+    if not args.directory.is_dir():
+        return _usage_error(f"{args.directory} is not a directory")
+    try:
+        driver = TIERS.get("nvme")
+        if not isinstance(driver, InspectableTier):
+            return _usage_error(f"the nvme tier driver {driver!r} cannot inspect")
+        inspection = driver.inspect(args.directory, verify=args.verify)
+    except TieredKVError as exc:
+        return _usage_error(str(exc))
+    if not inspection.stores:
+        return _usage_error(f"{args.directory} holds no tiered-kv store")
+    print(render(inspection), file=out or sys.stdout)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(inspection), indent=2) + b"\n")
+    return EXIT_DAMAGED if args.verify and inspection.damaged else 0
+
+
+def _usage_error(message: str) -> int:
+    print(f"tiered-kv inspect: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def render(inspection: Inspection) -> str:
+    """The report for people: a block per store, then a summary line."""
+    blocks = [_render_store(store, inspection.verified) for store in inspection.stores]
+    return "\n\n".join([*blocks, _summary(inspection)])
+
+
+def _render_store(store: StoreReport, verified: bool) -> str:
+    headers = ["group", "kind", "layers", "kv heads", "head dim", "window", "slot bytes", "slots", "chunks"]
+    headers += ["chunk bytes", "file bytes"] + (["verified"] if verified else [])
+    table = Table(
+        title=f"store {store.directory}\n{_describe(store.namespace)}",
+        headers=headers,
+        rows=[_group_row(group, verified) for group in store.groups],
+        note="\n".join(_damage(store)),
+    )
+    return table.render()
+
+
+def _describe(namespace: Namespace | None) -> str:
+    if namespace is None:
+        return "namespace not recorded (a store last opened before stores recorded it)"
+    geometry = namespace.geometry
+    tp = f"tp {namespace.tp_size}"
+    if namespace.tp_size > 1 and not namespace.replicated:
+        tp += f" rank {namespace.tp_rank}"
+    parts = [
+        f"model {namespace.model_id}",
+        f"revision {namespace.model_revision}",
+        f"dtype {geometry.dtype}",
+        f"kv layout {geometry.kv_layout}",
+        f"block {geometry.block_size} tokens",
+        f"chunk {geometry.chunk_size} tokens",
+        tp,
+        f"runner layout v{namespace.runner_layout_version}",
+    ]
+    parts += [f"lora {namespace.lora_id}"] if namespace.lora_id is not None else []
+    parts += [f"cache salt {namespace.cache_salt}"] if namespace.cache_salt is not None else []
+    return "  ".join(parts)
+
+
+def _group_row(group: GroupReport, verified: bool) -> list[str]:
+    layout = group.layout
+    shape = ["?"] * 5
+    if layout is not None:
+        window = "-" if layout.window is None else f"{layout.window:,}"
+        shape = [layout.kind.value, str(layout.num_layers), str(layout.num_kv_heads), str(layout.head_dim), window]
+    row = [str(group.group), *shape, _count(group.slot_bytes), _count(group.slots), f"{group.chunks:,}"]
+    row += [f"{group.chunk_bytes:,}", f"{group.file_bytes:,}"]
+    return row + ([f"{group.verified}/{group.chunks}"] if verified else [])
+
+
+def _count(value: int | None) -> str:
+    return "?" if value is None else f"{value:,}"
+
+
+def _damage(store: StoreReport) -> list[str]:
+    lines = [f"problem: {problem}" for problem in store.problems]
+    for group in store.groups:
+        lines += [f"problem: group {group.group}: {problem}" for problem in group.problems]
+        lines += [f"corrupt: group {group.group}: {bad.reason} (key {bad.key})" for bad in group.corrupt]
+    return lines
+
+
+def _summary(inspection: Inspection) -> str:
+    groups = [group for store in inspection.stores for group in store.groups]
+    chunks = sum(group.chunks for group in groups)
+    line = (
+        f"total: {len(inspection.stores)} store(s), {chunks:,} chunks, "
+        f"{sum(group.chunk_bytes for group in groups):,} chunk bytes"
+    )
+    if not inspection.verified:
+        return line
+    corrupt = sum(len(group.corrupt) for group in groups)
+    verdict = "damaged" if inspection.damaged else "all verify"
+    return f"{line}; verified {chunks - corrupt:,} of {chunks:,} chunks, {corrupt:,} corrupt: {verdict}"

@@ -1,0 +1,85 @@
+"""What a persistent tier reports about the stores in a directory: ``tiered-kv inspect``.
+
+Inspecting is driver-specific (only the driver knows its files), so a driver that keeps
+stores on disk offers :class:`InspectableTier` and answers with these frozen records;
+the CLI finds the driver by name in :data:`tiered_kv.registry.TIERS` and renders them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from tiered_kv.layout import KVGroup
+from tiered_kv.namespace import Namespace
+
+
+class CorruptSlot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A slot that a manifest lists whose chunk fails verification: a reopen drops it."""
+
+    slot: int
+    #: The chunk key the manifest lists for the slot, in hex.
+    key: str
+    #: What is wrong, e.g. ``slot 3: payload checksum mismatch``.
+    reason: str
+
+
+class GroupReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One KV group's store: its shape, its slots file and what its manifest lists."""
+
+    group: int
+    #: The group's attention kind and shape from the namespace record; None without one.
+    layout: KVGroup | None
+    #: Payload bytes a slot holds, from the manifest; None without a readable manifest.
+    slot_bytes: int | None
+    #: Slots the slots file has room for; None when ``slot_bytes`` is unknown.
+    slots: int | None
+    #: Chunks the manifest lists.
+    chunks: int
+    #: KV bytes those chunks hold (``chunks × slot_bytes``).
+    chunk_bytes: int
+    #: Size of the slots file.
+    file_bytes: int
+    #: Chunks that passed verification; None when not verified.
+    verified: int | None = None
+    corrupt: tuple[CorruptSlot, ...] = ()
+    #: Damage to the group's files as a whole (an unreadable manifest, one of another group).
+    problems: tuple[str, ...] = ()
+
+
+class StoreReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One namespace's store directory."""
+
+    directory: str
+    #: The recorded namespace; None for a store written before stores recorded it.
+    namespace: Namespace | None
+    #: The namespace fingerprint in hex; None without a readable namespace record.
+    fingerprint: str | None
+    groups: tuple[GroupReport, ...]
+    #: Damage to the directory as a whole (an unreadable namespace record, a renamed directory).
+    problems: tuple[str, ...] = ()
+
+
+class Inspection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Every store found in a directory, in directory-name order."""
+
+    root: str
+    #: Whether every listed chunk was read and checked.
+    verified: bool
+    stores: tuple[StoreReport, ...]
+
+    @property
+    def damaged(self) -> bool:
+        """Whether any store has a problem or (when verified) a corrupt slot."""
+        return any(
+            store.problems or any(group.problems or group.corrupt for group in store.groups) for store in self.stores
+        )
+
+
+@runtime_checkable
+class InspectableTier(Protocol):
+    """A tier driver (class) that can report on the stores under a directory, read-only."""
+
+    def inspect(self, root: str | os.PathLike[str], *, verify: bool = False) -> Inspection: ...
