@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -274,3 +275,29 @@ def test_the_debugging_example_logs_the_rejected_span() -> None:
     assert (done["request_id"], done["n_tokens"], done["chunks_from_cpu"]) == ("B", 5000, 37)
     stored = [e for e in events if e["event"] == "store.done"]
     assert {e["request_id"] for e in stored} == {"A"}  # bound through contextvars in the background task
+
+
+async def test_concurrent_loads_from_nvme_through_a_small_cpu_tier_all_complete(tmp_path: Path) -> None:
+    """Each load's promotions are pinned for it the moment they land, so another load's
+    promotions cannot evict them before the first load copies them to the GPU."""
+    cache = engine_cache(128)
+    keys = [bytes([i]) * 16 for i in range(32)]
+    async with TieredKV(config(tmp_path, cpu_chunks=4, nvme_chunks=32)) as kv:
+        await kv.register(NS, [cache])
+        for start in range(0, 32, 2):
+            table = list(range(start * 4, (start + 2) * 4))
+            await kv.store(NS, request_id="fill", keys=[keys[start : start + 2]], block_ids=[table])
+            await kv.drain()
+        parts = iter(range(0, 32, 2))
+
+        async def lane() -> None:
+            for start in parts:
+                table = list(range(start * 4, (start + 2) * 4))
+                loaded = await kv.load(
+                    NS, request_id=f"l{start}", keys=[keys[start : start + 2]], block_ids=[table], num_tokens=32
+                )
+                assert loaded == 32
+                kv.check_invariants()
+
+        await asyncio.gather(lane(), lane())
+        assert kv.statistics().hits.get("nvme", 0) >= 28

@@ -180,6 +180,8 @@ class TieredKV:
         self._clock = clock
         self._pools: dict[tuple[str, int], _Pool] = {}
         self._registering = asyncio.Lock()
+        #: Loads waiting on each shared nvme → cpu promotion, by (pool, group, key).
+        self._promotion_claims: collections.Counter[tuple[str, int, ChunkKey]] = collections.Counter()
         self._max_tenants = max_tenants
         self._cpu_left = config.cpu.capacity_bytes
         self._nvme_left = config.nvme.capacity_bytes if config.nvme else 0
@@ -511,8 +513,9 @@ class TieredKV:
         all or nothing, since a partial window is useless to the engine.
         """
         pinned: list[tuple[_Pool, ChunkKey]] = []
+        pending: list[list[tuple[ChunkKey, asyncio.Task[bool] | None]]] = []
         try:
-            pending = [self._start_stage(plan, pinned) for plan in plans]  # every promotion starts now
+            pending += [self._start_stage(plan, pinned) for plan in plans]  # every promotion starts now
             staged = [
                 await self._finish_stage(plan, steps, pinned, sources)
                 for plan, steps in zip(plans, pending, strict=True)
@@ -548,6 +551,10 @@ class TieredKV:
             ]
             return min([num_tokens, *good])
         finally:
+            for plan, steps in zip(plans, pending, strict=False):
+                for key, task in steps:
+                    if task is not None:
+                        self._drop_claim(plan.pool, key, task)
             for pool, key in pinned:
                 pool.cpu_index.unpin(key)
 
@@ -564,11 +571,11 @@ class TieredKV:
                 pinned.append((pool, key))
                 steps.append((key, None))
             elif pool.nvme_index is not None and pool.nvme_index.is_ready(key):
+                handle = (pool.fingerprint, pool.group, key)
                 task = self._scheduler.shared(
-                    ("promote", pool.fingerprint, pool.group, key),
-                    functools.partial(self._promote, pool, key),
-                    name=f"promote-{key.hex()[:8]}",
+                    handle, functools.partial(self._promote, pool, key), name=f"promote-{key.hex()[:8]}"
                 )
+                self._promotion_claims[handle] += 1  # the promotion pins the chunk for each claim
                 steps.append((key, task))
             else:
                 break
@@ -581,15 +588,21 @@ class TieredKV:
         pinned: list[tuple[_Pool, ChunkKey]],
         sources: collections.Counter[str],
     ) -> list[int]:
-        """Wait for the promotions and pin what they brought in; the cpu slots of the
-        leading chunks that are staged, in order."""
+        """Wait for the promotions, which pin what they bring in for this load; the cpu
+        slots of the leading chunks that are staged, in order. A step whose claim this
+        settles is marked done in ``steps``."""
         pool = plan.pool
         slots: list[int] = []
-        for key, task in steps:
+        for i, (key, task) in enumerate(steps):
             if task is not None:
-                if not await self._promoted(task) or not pool.cpu_index.is_ready(key):
-                    break  # failed, or evicted between its promotion and now: a miss
-                pool.cpu_index.pin(key)
+                steps[i] = (key, None)
+                try:
+                    promoted = await self._promoted(task)
+                except BaseException:
+                    self._drop_claim(pool, key, task)
+                    raise
+                if not promoted:
+                    break
                 pinned.append((pool, key))
             entry = pool.cpu_index.get(key)
             assert entry is not None
@@ -601,6 +614,17 @@ class TieredKV:
             if pool.policy.write_policy is WritePolicy.SELECTIVE and hits >= pool.policy.selective_hits:
                 self._write_behind(pool, [key])
         return slots
+
+    def _drop_claim(self, pool: _Pool, key: ChunkKey, task: asyncio.Task[bool]) -> None:
+        """Give up a load's claim on a promotion: its pin if the chunk came in, else its
+        place among the claims the promotion will pin for."""
+        if not task.done():
+            handle = (pool.fingerprint, pool.group, key)
+            self._promotion_claims[handle] -= 1
+            if self._promotion_claims[handle] <= 0:
+                del self._promotion_claims[handle]
+        elif not task.cancelled() and task.exception() is None and task.result():
+            pool.cpu_index.unpin(key)
 
     @staticmethod
     async def _promoted(task: asyncio.Task[bool]) -> bool:
@@ -615,7 +639,19 @@ class TieredKV:
             raise
 
     async def _promote(self, pool: _Pool, key: ChunkKey) -> bool:
-        """Read one chunk nvme → cpu (shared by every load that needs it); True when READY."""
+        """Read one chunk nvme → cpu, shared by every load that claimed it; True when it is
+        READY in cpu, pinned once for each claim, so that no eviction can take it between
+        this task's end and its loads' next steps."""
+        try:
+            promoted = await self._read_into_cpu(pool, key)
+        finally:
+            claims = self._promotion_claims.pop((pool.fingerprint, pool.group, key), 0)
+        if promoted:
+            for _ in range(claims):
+                pool.cpu_index.pin(key)
+        return promoted
+
+    async def _read_into_cpu(self, pool: _Pool, key: ChunkKey) -> bool:
         assert pool.nvme is not None and pool.nvme_index is not None
         if not pool.nvme_index.is_ready(key):
             return False  # evicted from nvme between the lookup and this task's start

@@ -387,10 +387,14 @@ class _ManagerLoads:
 
 
 async def _in_loads(load: Callable[[list[Any]], Awaitable[object]], items: list[Any]) -> float:
-    """Seconds to pass ``items`` to ``load`` in parts of ``LOAD_CHUNKS``, ``LOADS_IN_FLIGHT``
-    parts in flight, as a server loads several requests' chunks at once."""
-    parts = [items[i : i + LOAD_CHUNKS] for i in range(0, len(items), LOAD_CHUNKS)]
+    """Seconds to pass ``items`` to ``load`` in parts of ``LOAD_CHUNKS``, keeping
+    ``LOADS_IN_FLIGHT`` parts in flight, as a server loads several requests' chunks at once."""
+    parts = iter([items[i : i + LOAD_CHUNKS] for i in range(0, len(items), LOAD_CHUNKS)])
+
+    async def lane() -> None:
+        for part in parts:  # the lanes share one iterator: each part is loaded once
+            await load(part)
+
     started = time.perf_counter()
-    for i in range(0, len(parts), LOADS_IN_FLIGHT):
-        await asyncio.gather(*(load(part) for part in parts[i : i + LOADS_IN_FLIGHT]))
+    await asyncio.gather(*(lane() for _ in range(LOADS_IN_FLIGHT)))
     return time.perf_counter() - started
