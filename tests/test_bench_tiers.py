@@ -25,8 +25,10 @@ def test_bench_tiers_reports_each_path_against_its_limit(tmp_path: Path, capsys:
     assert sorted(paths, key=str) == sorted(
         [
             ("gpu->cpu", "per-layer"),
+            ("gpu->cpu", "per-layer, scattered"),
             ("gpu->cpu", "fused"),
             ("cpu->gpu", "per-layer"),
+            ("cpu->gpu", "per-layer, scattered"),
             ("cpu->gpu", "fused"),
             ("cpu->nvme", None),
             ("nvme->cpu", None),

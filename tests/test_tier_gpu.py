@@ -16,7 +16,7 @@ import torch
 from tiered_kv.errors import TierIOError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.testing import TierDriverContract
-from tiers.gpu import GpuTier
+from tiers.gpu import GpuTier, _stretches
 from tiers.pinned_cpu import PinnedCpuTier
 
 BPC = 4  # blocks per chunk
@@ -173,6 +173,35 @@ def test_tensors_laid_out_alike_in_one_allocation_share_one_copy_per_run(layout:
     assert f"copies_per_run={copies}>" in repr(tier)
     assert tier.slot_bytes == 2 * LAYERS * BLOCK_TOKENS * HEADS * DIM * 2
     assert tier.num_slots == BLOCKS
+
+
+@pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=lambda f: f.__name__)
+async def test_chunks_in_consecutive_slots_and_blocks_move_as_one_copy_and_stay_exact(layout: Layout) -> None:
+    """Ops whose buffers follow each other in one slab and whose blocks run on are served by
+    one strided copy per tensor group; a break in either starts a new one. Bytes are the
+    same as chunk by chunk, both ways."""
+    tensors, block_dim = layout(torch.bfloat16, "cpu")
+    tier = GpuTier(tensors, blocks_per_chunk=BPC, block_dim=block_dim)
+    slab = PinnedCpuTier(tier.chunk_bytes, CHUNKS)
+    runs = [(0, 1, 2), (0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (16, 17, 18, 19), (12, 13, 14, 15)]
+    ops = [TransferOp(buffer=slab.view(j), blocks=blocks) for j, blocks in zip([0, 1, 2, 3, 4], runs[1:], strict=True)]
+    assert [m for _, m, _ in _stretches(ops, tier.chunk_bytes)] == [3, 1, 1]  # blocks 16.. break the run
+    assert [m for _, m, _ in _stretches([ops[0], ops[2]], tier.chunk_bytes)] == [1, 1]  # slots 0 and 2: not adjacent
+    assert [m for _, m, _ in _stretches([TransferOp(buffer=slab.view(0), blocks=runs[0])], tier.chunk_bytes)] == [1]
+    await tier.read(ops)
+    for op in ops:
+        assert torch.equal(op.buffer, reference_chunk(tensors, block_dim, op.blocks))
+    originals = [t.clone() for t in tensors]
+    for t in tensors:
+        t.zero_()
+    await tier.write(ops)
+    for t, original in zip(tensors, originals, strict=True):
+        used = sorted(b for op in ops for b in op.blocks)
+        index = tuple([slice(None)] * block_dim + [used])
+        # Compared as bytes: the random bits include NaNs, which never equal themselves.
+        assert torch.equal(t[index].contiguous().view(torch.uint8), original[index].contiguous().view(torch.uint8))
+    await tier.close()
+    await slab.close()
 
 
 async def test_a_sliding_window_load_fills_only_its_blocks() -> None:

@@ -186,7 +186,9 @@ class TieredKV:
         self._cpu_left = config.cpu.capacity_bytes
         self._nvme_left = config.nvme.capacity_bytes if config.nvme else 0
         self._scheduler = Scheduler()
+        #: GPU copy jobs at once, and nvme I/O calls at once; loads go first at both.
         self._gate = PriorityGate(copy_concurrency)
+        self._disk_gate = PriorityGate(config.nvme.io_depth if config.nvme else 1)
         self._store_budget = Budget(max_store_chunks, "store queue (chunks)")
         self._write_behind_budget = Budget(max_write_behind_chunks, "nvme write-behind queue (chunks)")
         #: Store jobs still reading GPU blocks, by request.
@@ -670,7 +672,7 @@ class TieredKV:
         slot = reservation.slots[key]
         try:
             await self._spill(pool, reservation.evicted)
-            async with self._gate.hold(LOAD_PRIORITY):
+            async with self._disk_gate.hold(LOAD_PRIORITY):
                 await pool.nvme.read([TransferOp(buffer=pool.cpu.view(slot), key=key, slot=nvme_slot)])
         except TierError as exc:
             pool.nvme_index.unpin(key)
@@ -895,7 +897,8 @@ class TieredKV:
             return
         keys = [op.key for op in ops]
         try:
-            await pool.nvme.write(ops)
+            async with self._disk_gate.hold(STORE_PRIORITY):
+                await pool.nvme.write(ops)
         except TierError as exc:
             self._drop_nvme(pool, keys)
             self._transfer_failed("cpu->nvme", pool, None, exc)

@@ -108,6 +108,35 @@ def _runs(blocks: Sequence[int], first_block: int) -> list[tuple[int, int, int]]
     return runs
 
 
+def _stretches(ops: Sequence[TransferOp], chunk_bytes: int) -> list[tuple[TransferOp, int, int]]:
+    """``(first op, count, buffer stride)`` for each stretch of ops that one strided copy
+    can serve: ops alike (the same positions, one run of blocks each) whose blocks continue
+    each other's and whose buffers lie at equal, non-overlapping steps in one allocation
+    (consecutive cpu slots). Each other op is a stretch of one.
+
+    Engines allocate blocks, and the cpu tier slots, mostly in order, so a job of many
+    chunks usually costs one copy per KV tensor group instead of one per chunk.
+    """
+    stretches: list[tuple[TransferOp, int, int]] = []
+    for op in ops:
+        if stretches:
+            first, m, stride = stretches[-1]
+            step = op.buffer.storage_offset() - first.buffer.storage_offset()
+            if (
+                len(op.blocks) == len(first.blocks)
+                and op.first_block == first.first_block
+                and op.blocks[-1] - op.blocks[0] == len(op.blocks) - 1
+                and first.blocks[-1] - first.blocks[0] == len(first.blocks) - 1
+                and op.blocks[0] == first.blocks[0] + m * len(first.blocks)
+                and op.buffer.untyped_storage().data_ptr() == first.buffer.untyped_storage().data_ptr()
+                and (step == m * stride if m > 1 else step >= chunk_bytes)
+            ):
+                stretches[-1] = (first, m + 1, step // m)
+                continue
+        stretches.append((op, 1, chunk_bytes))
+    return stretches
+
+
 class GpuTier(DriverBase):
     """Copies whole engine blocks between the engine's KV tensors and chunk buffers."""
 
@@ -198,17 +227,21 @@ class GpuTier(DriverBase):
         hosts: list[torch.Tensor] = []
         caches: list[torch.Tensor] = []
         bpc = self.blocks_per_chunk
-        for op in ops:
+        for op, m, stride in _stretches(ops, self.chunk_bytes):
             buffer, base = op.buffer, op.buffer.storage_offset()
             for position, block, n in _runs(op.blocks, op.first_block):
                 for seg in self._segments:
                     count, _, piece = seg.cache.shape
+                    # ``m`` ops in a row: their buffers chunk after chunk, their blocks run on.
                     hosts.append(
                         buffer.as_strided(
-                            (count, n, piece), (bpc * piece, piece, 1), base + seg.offset + position * piece
+                            (count, m, n, piece),
+                            (bpc * piece, stride, piece, 1),
+                            base + seg.offset + position * piece,
                         )
                     )
-                    caches.append(seg.cache[:, block : block + n])
+                    rows = seg.cache[:, block : block + m * n]
+                    caches.append(rows.view(count, m, n, piece))
         if to_host:
             torch._foreach_copy_(hosts, caches, non_blocking=non_blocking)
         else:

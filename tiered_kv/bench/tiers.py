@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import random
 import statistics
 import tempfile
 import time
@@ -220,9 +221,17 @@ class TiersSection:
             return run
 
         steps = {f"raw {path}": raw(dsts, srcs) for path, (dsts, srcs) in directions.items()}
-        for layout, gpu in gpus.items():
-            steps[f"{layout} gpu->cpu"] = functools.partial(_timed, gpu.read, ops)
-            steps[f"{layout} cpu->gpu"] = functools.partial(_timed, gpu.write, ops)
+        # Blocks in order, as a fresh allocation hands them out, and scattered, as a long-running one may.
+        order = random.Random(0).sample(range(n), n)
+        scattered = [msgspec.structs.replace(op, blocks=ops[order[j]].blocks) for j, op in enumerate(ops)]
+        variants = {
+            "per-layer": (gpus["per-layer"], ops),
+            "per-layer, scattered": (gpus["per-layer"], scattered),
+            "fused": (gpus["fused"], ops),
+        }
+        for layout, (gpu, layout_ops) in variants.items():
+            steps[f"{layout} gpu->cpu"] = functools.partial(_timed, gpu.read, layout_ops)
+            steps[f"{layout} cpu->gpu"] = functools.partial(_timed, gpu.write, layout_ops)
         async with _ManagerLoads(geometry, fused, n, cpu_chunks=n, nvme=None) as manager:
             steps[MANAGER_CPU] = manager.load_all
             fused_gpu = gpus["fused"]
@@ -256,7 +265,7 @@ class TiersSection:
                     layout=layout,
                 )
                 for path in directions
-                for layout in gpus
+                for layout in variants
             ),
             manager_figure,
         ]
