@@ -117,3 +117,17 @@ def test_bare_bench_runs_every_section_and_its_json_matches_the_schema(
     assert document.keys and document.keys.cases
     for title in ("tiers", "workload", "overhead", "keys"):
         assert title in stdout
+
+
+def test_plot_draws_a_png_of_the_tiers_and_workload(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    args = ["bench", "workload", "--workload-requests", "4", "--nvme-dir", str(tmp_path), "--plot", str(png)]
+    assert main(args) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_plot_of_sections_it_cannot_draw_is_a_failed_step(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "keys", "--key-tokens", "256", "--plot", str(tmp_path / "x.png"), "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["errors"][0]["section"] == "plot"

@@ -65,6 +65,9 @@ def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]]
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     parser.add_argument(
+        "--plot", type=Path, metavar="PATH", help="also draw tier ratios and hit rates as a PNG (needs matplotlib)"
+    )
+    parser.add_argument(
         "--nvme-dir", type=Path, metavar="DIR", help="where disk tiers and probes put their files (default: a temp dir)"
     )
     add_model_arguments(parser.add_argument_group("model shape"))
@@ -106,6 +109,15 @@ def run_bench(args: argparse.Namespace, sections: Sequence[BenchSection], out: A
             print(table.render(), file=out)
             print(file=out)
         print(f"[{section.name}: {time.perf_counter() - started:.1f} s]", file=sys.stderr)
+    if args.plot:
+        from tiered_kv.bench.plot import write_plot
+        from tiered_kv.bench.schema import validate
+
+        try:
+            write_plot(validate(msgspec.json.encode({**document, "errors": errors})), args.plot)
+        except Exception as exc:  # the figures still get printed and written
+            errors.append({"section": "plot", "error": f"{type(exc).__name__}: {exc}"})
+            print(f"bench plot failed: {exc}", file=sys.stderr)
     document["errors"] = errors
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
