@@ -456,3 +456,19 @@ async def test_a_quota_that_no_longer_fits_is_dropped_with_a_warning() -> None:
         assert [e["tier"] for e in events if e["event"] == "quota.unavailable"] == ["cpu"]
         await kv.finish_request("t")
         assert kv.lookup(tenant, [keys_for(1, ns=tenant)]) == 1
+
+
+async def test_a_caller_deadline_cancels_a_load_cleanly() -> None:
+    harness = await open_harness(config())
+    keys = keys_for(2)
+    await harness.store(keys)
+    await harness.kv.finish_request("r")
+    harness.gpu.gate.clear()  # the copy to the GPU never finishes in time
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.01):
+            await harness.load(keys)
+    assert harness.kv.statistics().tiers[0].pinned_chunks == 0
+    harness.kv.check_invariants()
+    harness.gpu.gate.set()
+    assert await harness.load(keys) == 2 * NS.geometry.chunk_size
+    await harness.kv.close()
