@@ -718,9 +718,7 @@ class TieredKV:
         except BaseException:
             self._store_budget.give(bound)
             raise
-        # Events of this store, in its background tasks too, carry the request and namespace.
-        with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
-            return self._submit_store(namespace, request_id, keys, block_ids, bound)
+        return self._submit_store(namespace, request_id, keys, block_ids, bound)
 
     def store_nowait(
         self,
@@ -734,8 +732,7 @@ class TieredKV:
         self._check()
         bound = sum(len(k) for k in keys)
         self._store_budget.take_nowait(bound)
-        with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
-            return self._submit_store(namespace, request_id, keys, block_ids, bound)
+        return self._submit_store(namespace, request_id, keys, block_ids, bound)
 
     def _submit_store(
         self,
@@ -745,61 +742,70 @@ class TieredKV:
         block_ids: Sequence[Sequence[int]],
         taken: int,
     ) -> StoreResult:
-        try:
-            pools = self._pools_of(namespace)
-            planned: list[tuple[_Pool, list[tuple[ChunkKey, tuple[int, ...]]]]] = []
-            skipped = 0
-            for pool, group_keys, table in zip(pools, keys, block_ids, strict=True):
-                k = pool.blocks_per_chunk
-                chunks = []
-                seen = set()
-                for c, key in enumerate(group_keys):
-                    blocks = tuple(table[c * k : (c + 1) * k])
-                    if len(blocks) < k or min(blocks) < 0 or key in seen or pool.resident_anywhere(key):
-                        skipped += 1
-                        continue
-                    seen.add(key)
-                    chunks.append((key, blocks))
-                planned.append((pool, chunks))
-            reservations: list[tuple[_Pool, Reservation]] = []
-            for pool, chunks in planned:
-                owner = self._owner(pool, namespace)
-                reservation = pool.cpu_index.reserve((key for key, _ in chunks), owner) if chunks else None
-                if chunks and reservation is None:
-                    # Nothing has been copied yet: undo the other groups' reservations,
-                    # their victims included, so that a rejected store changes nothing.
-                    for done_pool, done in reservations:
-                        done_pool.cpu_index.unreserve(done)
-                    self._stores_rejected += 1
-                    log.info(
-                        "tier.full", tier="cpu", namespace=pool.fingerprint, request_id=request_id, n_chunks=len(chunks)
-                    )
-                    log.info(
-                        "store.skipped", namespace=pool.fingerprint, request_id=request_id, reason="cannot store now"
-                    )
-                    self._store_budget.give(taken)
-                    return StoreResult(submitted=0, skipped=skipped, rejected=True)
-                if reservation is not None:
-                    reservations.append((pool, reservation))
-        except BaseException:
-            self._store_budget.give(taken)
-            raise
-        submitted = sum(len(chunks) for _, chunks in planned)
-        self._store_budget.give(taken - submitted)
-        for (pool, chunks), (_, reservation) in zip([(p, c) for p, c in planned if c], reservations, strict=True):
-            self._evicted(pool, "cpu", reservation.evicted)
-            job = _StoreJob(pool, namespace.fingerprint_hex, namespace.tp_rank, request_id, chunks)
-            self._jobs[request_id].add(job)
-            self._job_count += 1
-            task = self._scheduler.spawn(
-                self._run_store(job, reservation.slots, reservation.evicted), name=f"store-{request_id}"
-            )
-            task.add_done_callback(functools.partial(self._store_finished, job))
-        if submitted:
-            log.debug("store.submitted", namespace=pools[0].fingerprint, request_id=request_id, n_chunks=submitted)
-        if skipped:
-            log.debug("store.skipped", namespace=pools[0].fingerprint, request_id=request_id, n_chunks=skipped)
-        return StoreResult(submitted=submitted, skipped=skipped)
+        # Events of this store, in its background tasks too, carry the request and namespace.
+        with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
+            try:
+                pools = self._pools_of(namespace)
+                planned: list[tuple[_Pool, list[tuple[ChunkKey, tuple[int, ...]]]]] = []
+                skipped = 0
+                for pool, group_keys, table in zip(pools, keys, block_ids, strict=True):
+                    k = pool.blocks_per_chunk
+                    chunks = []
+                    seen = set()
+                    for c, key in enumerate(group_keys):
+                        blocks = tuple(table[c * k : (c + 1) * k])
+                        if len(blocks) < k or min(blocks) < 0 or key in seen or pool.resident_anywhere(key):
+                            skipped += 1
+                            continue
+                        seen.add(key)
+                        chunks.append((key, blocks))
+                    planned.append((pool, chunks))
+                reservations: list[tuple[_Pool, Reservation]] = []
+                for pool, chunks in planned:
+                    owner = self._owner(pool, namespace)
+                    reservation = pool.cpu_index.reserve((key for key, _ in chunks), owner) if chunks else None
+                    if chunks and reservation is None:
+                        # Nothing has been copied yet: undo the other groups' reservations,
+                        # their victims included, so that a rejected store changes nothing.
+                        for done_pool, done in reservations:
+                            done_pool.cpu_index.unreserve(done)
+                        self._stores_rejected += 1
+                        log.info(
+                            "tier.full",
+                            tier="cpu",
+                            namespace=pool.fingerprint,
+                            request_id=request_id,
+                            n_chunks=len(chunks),
+                        )
+                        log.info(
+                            "store.skipped",
+                            namespace=pool.fingerprint,
+                            request_id=request_id,
+                            reason="cannot store now",
+                        )
+                        self._store_budget.give(taken)
+                        return StoreResult(submitted=0, skipped=skipped, rejected=True)
+                    if reservation is not None:
+                        reservations.append((pool, reservation))
+            except BaseException:
+                self._store_budget.give(taken)
+                raise
+            submitted = sum(len(chunks) for _, chunks in planned)
+            self._store_budget.give(taken - submitted)
+            for (pool, chunks), (_, reservation) in zip([(p, c) for p, c in planned if c], reservations, strict=True):
+                self._evicted(pool, "cpu", reservation.evicted)
+                job = _StoreJob(pool, namespace.fingerprint_hex, namespace.tp_rank, request_id, chunks)
+                self._jobs[request_id].add(job)
+                self._job_count += 1
+                task = self._scheduler.spawn(
+                    self._run_store(job, reservation.slots, reservation.evicted), name=f"store-{request_id}"
+                )
+                task.add_done_callback(functools.partial(self._store_finished, job))
+            if submitted:
+                log.debug("store.submitted", namespace=pools[0].fingerprint, request_id=request_id, n_chunks=submitted)
+            if skipped:
+                log.debug("store.skipped", namespace=pools[0].fingerprint, request_id=request_id, n_chunks=skipped)
+            return StoreResult(submitted=submitted, skipped=skipped)
 
     def _job_done(self, job: _StoreJob) -> None:
         jobs = self._jobs[job.request_id]
