@@ -208,7 +208,7 @@ class PoliciesSection:
         parser.add_argument("--policy-entries", type=int, default=1_000_000, help="resident keys (default 1000000)")
         parser.add_argument("--policy-lookups", type=int, default=500_000, help="lookups per run (default 500000)")
         parser.add_argument("--policy-cycles", type=int, default=200_000, help="insert+evict per run (default 200000)")
-        parser.add_argument("--policy-repeats", type=int, default=3, help="timed runs, median kept (default 3)")
+        parser.add_argument("--policy-repeats", type=int, default=2, help="timed runs, median kept (default 2)")
         parser.add_argument(
             "--policy-capacities",
             type=_fractions,

@@ -153,7 +153,7 @@ class TiersSection:
         )
         parser.add_argument("--tier-mem-mib", type=int, default=512, help="MiB per memory pass (default 512)")
         parser.add_argument("--tier-disk-mib", type=int, default=512, help="MiB per disk pass (default 512)")
-        parser.add_argument("--tier-repeats", type=int, default=7, help="timed passes per path (default 7)")
+        parser.add_argument("--tier-repeats", type=int, default=5, help="timed passes per path (default 5)")
         parser.add_argument("--io-depth", type=int, default=8, help="concurrent disk I/Os (default 8)")
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
