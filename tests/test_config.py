@@ -77,6 +77,8 @@ def test_json_config_loads(tmp_path: Path) -> None:
             "positive",
         ),
         ("[nvme]\nroot = '/x'\ncapacity_bytes = 1\n", None, "missing required field `cpu`"),
+        ("[cpu]\ncapacity_bytes = 1\n[default_policy]\nadmission_k = 0\n", "default_policy.admission_k", "positive"),
+        ("[cpu]\ncapacity_bytes = 1\n[default_policy]\nadmission = ''\n", "default_policy.admission", "empty"),
     ],
 )
 def test_bad_config_names_field_and_file(tmp_path: Path, text: str, field: str | None, message: str) -> None:

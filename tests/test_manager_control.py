@@ -19,6 +19,7 @@ from tiered_kv import (
     NvmeTierConfig,
     TieredKVConfig,
     TieredKVError,
+    UnknownPluginError,
     WritePolicy,
     chunk_keys,
 )
@@ -472,3 +473,28 @@ async def test_a_caller_deadline_cancels_a_load_cleanly() -> None:
     harness.gpu.gate.set()
     assert await harness.load(keys) == 2 * NS.geometry.chunk_size
     await harness.kv.close()
+
+
+async def test_an_admission_filter_stores_a_chunk_only_once_seen_k_times() -> None:
+    seen_twice = NamespacePolicyConfig(admission="seen_k", admission_k=2)
+    cfg = TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=CHUNK * 8), default_policy=seen_twice)
+    async with TieredKV(cfg, tiers=NullTiers()) as kv:
+        await kv.register(NS, gpu_tensors())
+        keys = keys_for(3)
+        first = await kv.store(NS, request_id="a", keys=[keys], block_ids=[blocks_for(3)])
+        assert (first.submitted, first.skipped) == (0, 3)
+        await kv.finish_request("a")
+        assert kv.lookup(NS, [keys]) == 0
+        second = await kv.store(NS, request_id="b", keys=[keys], block_ids=[blocks_for(3)])
+        assert (second.submitted, second.skipped) == (3, 0)
+        await kv.finish_request("b")
+        assert kv.lookup(NS, [keys]) == 3
+
+
+async def test_an_unknown_admission_filter_fails_registration_by_name() -> None:
+    cfg = TieredKVConfig(
+        cpu=CpuTierConfig(capacity_bytes=CHUNK * 8), default_policy=NamespacePolicyConfig(admission="nope")
+    )
+    async with TieredKV(cfg, tiers=NullTiers()) as kv:
+        with pytest.raises(UnknownPluginError, match="seen_k"):
+            await kv.register(NS, gpu_tensors())

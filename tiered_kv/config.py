@@ -69,6 +69,11 @@ class NamespacePolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     quota_chunks: dict[str, int] = msgspec.field(default_factory=dict)
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     selective_hits: int = 2
+    #: An admission filter registered in ``tiered_kv.admission`` (e.g. ``seen_k``): a
+    #: chunk is stored only once the filter admits it. ``None`` stores every chunk.
+    admission: str | None = None
+    #: Sightings ``admission`` waits for before it admits a chunk.
+    admission_k: int = 2
     #: Bytes of each tier this namespace gets when it is registered; ``None`` takes all
     #: that earlier registrations left.
     cpu_bytes: int | None = None
@@ -80,6 +85,9 @@ class NamespacePolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
         for tier, quota in self.quota_chunks.items():
             _require_positive(f"quota_chunks.{tier}", quota)
         _require_positive("selective_hits", self.selective_hits)
+        _require_positive("admission_k", self.admission_k)
+        if self.admission == "":
+            raise ConfigError("must not be empty (leave it out to store every chunk)", field="admission")
         for name in ("cpu_bytes", "nvme_bytes"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))

@@ -42,12 +42,13 @@ from tiered_kv.errors import (
     TieredKVError,
     TierError,
 )
-from tiered_kv.interfaces import TierDriver, TransferOp
+from tiered_kv.interfaces import AdmissionFilter, TierDriver, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
 from tiered_kv.partition import TierPartition
+from tiered_kv.policy_factory import make_admission_filter
 from tiered_kv.registry import TIERS
 from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler
 from tiered_kv.spans import cdiv, span_chunks, validate_window_span, window_span
@@ -123,6 +124,8 @@ class _Pool:
         self.nvme = nvme
         self.nvme_index = nvme_index
         self.gpus: dict[int, TierDriver] = {}
+        #: Turns away chunks not yet seen often enough to be worth storing (``None``: none).
+        self.admission: AdmissionFilter | None = None
         #: Tenant namespaces (fingerprints) that have a share in this pool's partitions.
         self.owners: set[str] = set()
 
@@ -325,6 +328,11 @@ class TieredKV:
             raise
         cpu_index = TierIndex("cpu", TierPartition("cpu", cpu_slots, clock=self._clock))
         pool = _Pool(base, group, policy, cpu, cpu_index, nvme, nvme_index)
+        if policy.admission is not None:
+            # It remembers a few times more chunks than the tiers hold: a chunk worth
+            # storing comes back before that many others have been seen.
+            remembered = 4 * (cpu_slots + nvme_slots)
+            pool.admission = make_admission_filter(policy.admission, remembered, k=policy.admission_k)
         owner = self._owner(pool, base)
         if nvme is not None and nvme_index is not None:
             # A warm restart cannot tell which tenant stored a chunk: it counts in the base share.
@@ -752,9 +760,17 @@ class TieredKV:
                     k = pool.blocks_per_chunk
                     chunks = []
                     seen = set()
+                    refused = False
                     for c, key in enumerate(group_keys):
                         blocks = tuple(table[c * k : (c + 1) * k])
                         if len(blocks) < k or min(blocks) < 0 or key in seen or pool.resident_anywhere(key):
+                            skipped += 1
+                            continue
+                        # Every chunk is a sighting; after one the filter turns away, the rest of
+                        # the prefix would be unreachable, so none of it is stored.
+                        admitted = pool.admission is None or pool.admission.admit(key)
+                        refused = refused or not admitted
+                        if refused:
                             skipped += 1
                             continue
                         seen.add(key)
