@@ -131,3 +131,14 @@ def test_plot_of_sections_it_cannot_draw_is_a_failed_step(tmp_path: Path) -> Non
     out = tmp_path / "bench.json"
     assert main(["bench", "keys", "--key-tokens", "256", "--plot", str(tmp_path / "x.png"), "--json", str(out)]) == 1
     assert json.loads(out.read_text())["errors"][0]["section"] == "plot"
+
+
+@pytest.mark.parametrize("model", ["gemma-swa", "deepseek-mla"])
+def test_workload_replays_hybrid_and_mla_presets(tmp_path: Path, model: str) -> None:
+    out = tmp_path / "bench.json"
+    args = ["bench", "workload", "--model", model, "--workload-requests", "4", "--nvme-dir", str(tmp_path)]
+    assert main([*args, "--json", str(out)]) == 0
+    document = validate(out.read_bytes())
+    assert document.workload is not None and document.workload.model != "meta-llama/Llama-3.2-1B"
+    for trace in document.workload.traces:
+        assert 0 <= trace.hit_rate_cpu + trace.hit_rate_nvme <= 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import tempfile
 import time
 
@@ -26,8 +27,11 @@ from tiered_kv.bench.models import namespace_from_args
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import WorkloadFigures, WorkloadTrace
 from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
+from tiered_kv.keys import ChunkKey
+from tiered_kv.layout import AttentionKind, KVGeometry
 from tiered_kv.manager import TieredKV
 from tiered_kv.namespace import Namespace
+from tiered_kv.spans import window_span
 from tiered_kv.traces import CHUNK_TOKENS, TraceRequest, distinct_chunks, standard_traces
 
 TRACES = ("chat", "rag", "scan_polluted")
@@ -58,9 +62,9 @@ class WorkloadSection:
         namespace = namespace_from_args(args)
         if namespace.geometry.chunk_size != CHUNK_TOKENS:
             raise ValueError(f"the traces are built of {CHUNK_TOKENS}-token chunks; use --chunk-tokens {CHUNK_TOKENS}")
-        if len(namespace.geometry.groups) != 1:
-            raise ValueError("the workload replay drives single-group models; pick another --model")
         traces = standard_traces(7, scale=args.workload_requests / 4000)
+        geometry = namespace.geometry
+        chunk_mib = sum(geometry.chunk_bytes(g) for g in range(len(geometry.groups))) / 2**20
         results = []
         for i, name in enumerate(TRACES):
             progress.step(i, len(TRACES), name)
@@ -81,7 +85,7 @@ class WorkloadSection:
         ]
         table = Table(
             title=(
-                f"workload: {namespace.model_id}, {namespace.geometry.chunk_bytes() / 2**20:.1f} MiB chunks, "
+                f"workload: {namespace.model_id}, {chunk_mib:.1f} MiB chunks, "
                 f"cpu {args.cpu_fraction:.0%} / nvme {args.nvme_fraction:.0%} of each working set, "
                 f"prefill {args.prefill_tokens_per_s:,.0f} tok/s"
             ),
@@ -108,16 +112,21 @@ async def _replay(
     name: str, requests: list[TraceRequest], namespace: Namespace, args: argparse.Namespace
 ) -> WorkloadTrace:
     geometry = namespace.geometry
-    chunk_bytes = geometry.chunk_bytes()
+    groups = range(len(geometry.groups))
+    chunk_bytes = sum(geometry.chunk_bytes(g) for g in groups)  # a token chunk, over every KV group
     working_set = distinct_chunks(requests)
     cpu_chunks = max(STORE_BATCH, round(working_set * args.cpu_fraction))
     nvme_chunks = max(STORE_BATCH, round(working_set * args.nvme_fraction))
-    group = geometry.groups[0]
     per_chunk = geometry.blocks_per_chunk
     engine_blocks = ENGINE_CHUNKS * per_chunk
-    # The engine's paged cache, one tensor per layer; the bench only moves its bytes.
-    layer_block_bytes = geometry.block_bytes() // group.num_layers
-    kv_cache = [torch.zeros(engine_blocks, layer_block_bytes, dtype=torch.uint8) for _ in range(group.num_layers)]
+    # The engine's paged cache, one tensor per layer and group; the bench only moves its bytes.
+    kv_caches = [
+        [
+            torch.zeros(engine_blocks, geometry.block_bytes(g) // geometry.groups[g].num_layers, dtype=torch.uint8)
+            for _ in range(geometry.groups[g].num_layers)
+        ]
+        for g in groups
+    ]
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as root:
         config = TieredKVConfig(
             cpu=CpuTierConfig(capacity_bytes=cpu_chunks * chunk_bytes),
@@ -127,27 +136,33 @@ async def _replay(
         load_s = 0.0
         lookups = tokens_cached = prompt_tokens = 0
         async with TieredKV(config) as kv:
-            await kv.register(namespace, [kv_cache])
+            await kv.register(namespace, kv_caches)
             for i, request in enumerate(requests):
-                keys = list(request.keys)
-                table = [(c % ENGINE_CHUNKS) * per_chunk + b for c in range(len(keys)) for b in range(per_chunk)]
-                lookups += len(keys)
+                keys = _keys_by_group(list(request.keys), len(groups))
+                table = [
+                    (c % ENGINE_CHUNKS) * per_chunk + b for c in range(len(request.keys)) for b in range(per_chunk)
+                ]
+                lookups += len(request.keys)
                 prompt_tokens += request.prompt_tokens
-                hit = kv.lookup(namespace, [keys])
+                hit = kv.lookup(namespace, keys)
                 if hit:
                     started = time.perf_counter()
                     loaded = await kv.load(
-                        namespace, request_id=str(i), keys=[keys], block_ids=[table], num_tokens=hit * CHUNK_TOKENS
+                        namespace,
+                        request_id=str(i),
+                        keys=keys,
+                        block_ids=_load_tables(geometry, table, hit * CHUNK_TOKENS),
+                        num_tokens=hit * CHUNK_TOKENS,
                     )
                     load_s += time.perf_counter() - started
                     tokens_cached += loaded
-                for start in range(hit, len(keys), STORE_BATCH):
-                    batch = slice(start, min(start + STORE_BATCH, len(keys)))
+                for start in range(hit, len(request.keys), STORE_BATCH):
+                    stop = min(start + STORE_BATCH, len(request.keys))
                     await kv.store(
                         namespace,
                         request_id=str(i),
-                        keys=[keys[: batch.stop]],
-                        block_ids=[table[: batch.stop * per_chunk]],
+                        keys=[group_keys[:stop] for group_keys in keys],
+                        block_ids=[table[: stop * per_chunk]] * len(groups),
                     )
                     # The engine reuses its blocks for the next batch: wait for their reads.
                     await kv.finish_request(str(i))
@@ -164,8 +179,9 @@ async def _replay(
         nvme_chunks=nvme_chunks,
         chunk_bytes=chunk_bytes,
         chunks_looked_up=lookups,
-        hit_rate_cpu=stats.hits.get("cpu", 0) / lookups if lookups else 0.0,
-        hit_rate_nvme=stats.hits.get("nvme", 0) / lookups if lookups else 0.0,
+        # Hits are counted per KV group; a token chunk is a hit in every group it loaded in.
+        hit_rate_cpu=stats.hits.get("cpu", 0) / len(groups) / lookups if lookups else 0.0,
+        hit_rate_nvme=stats.hits.get("nvme", 0) / len(groups) / lookups if lookups else 0.0,
         tokens_from_cache=tokens_cached,
         prompt_tokens=prompt_tokens,
         load_s=load_s,
@@ -173,3 +189,24 @@ async def _replay(
         ttft_cached_ms=cached_s * 1e3 / n,
         ttft_speedup=recompute_s / cached_s,
     )
+
+
+def _keys_by_group(keys: list[ChunkKey], groups: int) -> list[list[ChunkKey]]:
+    """The trace's keys for the first KV group, and keys derived from them for the others
+    (a model's groups hold different bytes for the same tokens, so different keys)."""
+    derived = [
+        [hashlib.blake2b(key + bytes([g]), digest_size=len(key)).digest() for key in keys] for g in range(1, groups)
+    ]
+    return [keys, *derived]
+
+
+def _load_tables(geometry: KVGeometry, table: list[int], num_tokens: int) -> list[list[int]]:
+    """Each group's blocks to fill: the whole table, or a sliding window's span of it."""
+    tables = []
+    for group in geometry.groups:
+        if group.kind is AttentionKind.SLIDING_WINDOW:
+            assert group.window is not None
+            tables.append([table[b] for b in window_span(num_tokens, group.window, geometry.block_size)])
+        else:
+            tables.append(table)
+    return tables
