@@ -78,6 +78,21 @@ def test_json_config_loads(tmp_path: Path) -> None:
         ),
         ("[nvme]\nroot = '/x'\ncapacity_bytes = 1\n", None, "missing required field `cpu`"),
         ("[cpu]\ncapacity_bytes = 1\n[default_policy]\nadmission_k = 0\n", "default_policy.admission_k", "positive"),
+        (
+            "[cpu]\ncapacity_bytes = 1\n[namespaces.m]\nquota_chunks = { cpy = 5 }\n",
+            "namespaces[...].quota_chunks.cpy",
+            "unknown tier",
+        ),
+        (
+            "[cpu]\ncapacity_bytes = 1\n[default_policy]\npolicy = 'lfu'\n",
+            "default_policy.policy",
+            "unknown policy 'lfu'",
+        ),
+        (
+            "[cpu]\ncapacity_bytes = 1\n[namespaces.m]\nadmission = 'seen_kk'\n",
+            "namespaces.m.admission",
+            "unknown admission",
+        ),
         ("[cpu]\ncapacity_bytes = 1\n[default_policy]\nadmission = ''\n", "default_policy.admission", "empty"),
     ],
 )

@@ -498,3 +498,12 @@ async def test_an_unknown_admission_filter_fails_registration_by_name() -> None:
     async with TieredKV(cfg, tiers=NullTiers()) as kv:
         with pytest.raises(UnknownPluginError, match="seen_k"):
             await kv.register(NS, gpu_tensors())
+
+
+async def test_statistics_include_every_drivers_own_counters(h: Harness) -> None:
+    await h.store(keys_for(3))
+    await h.kv.finish_request("r")
+    await h.kv.drain()
+    drivers = {d.name: d for d in h.kv.statistics().drivers}
+    assert set(drivers) == {"gpu", "cpu", "nvme"}
+    assert drivers["gpu"].reads == 3 and drivers["nvme"].writes == 3

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from tiered_kv.errors import ConfigError
+from tiered_kv.registry import ADMISSION_FILTERS, POLICIES
 
 T = TypeVar("T")
 
@@ -22,6 +23,10 @@ T = TypeVar("T")
 def _require_positive(field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"must be a positive integer, got {value!r}", field=field)
+
+
+#: The tiers a quota can name.
+TIER_NAMES = ("cpu", "nvme")
 
 
 class WritePolicy(enum.StrEnum):
@@ -46,7 +51,8 @@ class NvmeTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: Root directory; each namespace gets an owner-only subdirectory below it.
     root: str
     capacity_bytes: int
-    #: Concurrent I/Os in flight per driver.
+    #: I/Os in flight per slot file (the nvme driver's threads), and nvme calls the
+    #: manager lets run at once over all of them (loads first).
     io_depth: int = 8
 
     def __post_init__(self) -> None:
@@ -83,6 +89,10 @@ class NamespacePolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
         if not self.policy:
             raise ConfigError("must not be empty", field="policy")
         for tier, quota in self.quota_chunks.items():
+            if tier not in TIER_NAMES:
+                raise ConfigError(
+                    f"unknown tier {tier!r}; tiers: {', '.join(TIER_NAMES)}", field=f"quota_chunks.{tier}"
+                )
             _require_positive(f"quota_chunks.{tier}", quota)
         _require_positive("selective_hits", self.selective_hits)
         _require_positive("admission_k", self.admission_k)
@@ -143,9 +153,33 @@ def load_config(path: str | Path, type: type[T] = TieredKVConfig) -> T:  # type:
         raise ConfigError(f"cannot read: {exc.strerror}", source=source) from exc
     decode = msgspec.toml.decode if suffix == ".toml" else msgspec.json.decode
     try:
-        return decode(data, type=type)
+        config = decode(data, type=type)
     except msgspec.ValidationError as exc:
         message, field = _field_path(exc)
         raise ConfigError(message, field=field, source=source) from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"not valid {suffix[1:].upper()}: {exc}", source=source) from exc
+    if isinstance(config, TieredKVConfig):
+        _check_plugin_names(config, source)
+    return config
+
+
+def _check_plugin_names(config: TieredKVConfig, source: str) -> None:
+    """Policies and admission filters must be registered: a typo fails at start-up."""
+    policies, filters = POLICIES.names(), ADMISSION_FILTERS.names()
+    named = [("default_policy", config.default_policy)] + [
+        (f"namespaces.{model}", policy) for model, policy in config.namespaces.items()
+    ]
+    for where, policy in named:
+        if policy.policy not in policies:
+            raise ConfigError(
+                f"unknown policy {policy.policy!r}; available: {', '.join(policies)}",
+                field=f"{where}.policy",
+                source=source,
+            )
+        if policy.admission is not None and policy.admission not in filters:
+            raise ConfigError(
+                f"unknown admission filter {policy.admission!r}; available: {', '.join(filters)}",
+                field=f"{where}.admission",
+                source=source,
+            )

@@ -13,7 +13,7 @@ and, optionally, a quota of chunks another namespace's traffic cannot take.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from tiered_kv.errors import TieredKVError
@@ -107,9 +107,6 @@ class TierIndex:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def items(self) -> Iterator[tuple[ChunkKey, Residency]]:
-        return iter(self._entries.items())
 
     # -- deciding ----------------------------------------------------------------------
     def reserve(self, keys: Iterable[ChunkKey], owner: str) -> Reservation | None:

@@ -5,13 +5,16 @@ tensor-parallel rank), then per request:
 
 * ``lookup`` (sync) — how many leading chunks some tier holds ready;
 * ``await load`` — bring those chunks into the GPU blocks the engine allocated;
-* ``await store`` — submit copies of full chunks out of GPU blocks, without waiting;
+* ``await store`` — submit copies of full chunks out of GPU blocks (waiting only for
+  queue room, never for the copies);
 * ``await finish_request`` — returns once no store of the request still reads its GPU
   blocks, so the engine may free them (deferred finalization); ``flush`` does the same
   for given blocks before the engine overwrites them (preemption).
 
-Each (namespace fingerprint, KV group) is a *pool*: a cpu slab and an nvme store of
-equal-sized chunk slots with one residency index each. Replicated layouts (MLA) have one
+Each model runner's KV group (its base namespace, without the tenant fields, × group) is
+a *pool*: a cpu slab and an nvme store of equal-sized chunk slots with one residency
+index each, shared by the runner's tenants (LoRA adapters, cache salts) through a
+partition with a policy and a quota per tenant. Replicated layouts (MLA) have one
 fingerprint for all ranks, so all ranks share one copy of every chunk.
 
 Every decision (which slots, which victims) is made synchronously on the residency
@@ -206,11 +209,9 @@ class TieredKV:
         self._stores_rejected = 0
         self._loads_in_flight = 0
         self._closed = False
-        self._started = False
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> TieredKV:
-        self._started = True
         return self
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
@@ -227,10 +228,7 @@ class TieredKV:
         finally:
             self._closed = True
             await self._scheduler.close()
-            drivers: list[TierDriver] = []
-            for pool in self._pools.values():
-                drivers += [*pool.gpus.values(), pool.cpu] + ([pool.nvme] if pool.nvme else [])
-            for driver in dict.fromkeys(drivers):
+            for driver in self._drivers():
                 await driver.close()
         self._scheduler.check()
 
@@ -448,6 +446,18 @@ class TieredKV:
         good prefix before it; a hybrid model loads all or nothing.
         """
         self._check()
+        # Events of this load, in the promotions it starts too, carry the request and namespace.
+        with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
+            return await self._load(namespace, request_id, keys, block_ids, num_tokens)
+
+    async def _load(
+        self,
+        namespace: Namespace,
+        request_id: str,
+        keys: Sequence[Sequence[ChunkKey]],
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+    ) -> int:
         pools = self._pools_of(namespace)
         started = self._clock()
         try:
@@ -937,10 +947,7 @@ class TieredKV:
     async def finish_request(self, request_id: str) -> None:
         """Return once no store of ``request_id`` still reads the request's GPU blocks."""
         self._check()
-        waiting = [job.gpu_released for job in self._jobs.get(request_id, ())]
-        if waiting:
-            await asyncio.shield(asyncio.gather(*waiting))
-        self._check()
+        await self._released([job.gpu_released for job in self._jobs.get(request_id, ())])
 
     def flush_nowait(self, block_ids: Iterable[int] | None = None, *, namespace: Namespace | None = None) -> bool:
         """True when no store reads any of ``block_ids`` (see :meth:`flush`) now."""
@@ -969,7 +976,11 @@ class TieredKV:
         """Return once no store reads any of ``block_ids`` (all blocks when ``None``) of
         ``namespace``'s rank (every registered rank when ``None``)."""
         self._check()
-        waiting = self._reading(block_ids, namespace)
+        await self._released(self._reading(block_ids, namespace))
+
+    async def _released(self, waiting: list[asyncio.Future[None]]) -> None:
+        """Wait for stores to stop reading GPU blocks; the caller's cancellation does not
+        cancel the stores."""
         if waiting:
             await asyncio.shield(asyncio.gather(*waiting))
         self._check()
@@ -1015,7 +1026,14 @@ class TieredKV:
             loads_rejected=dict(self._rejected),
             stores_rejected=self._stores_rejected,
             events_dropped=self._events_dropped,
+            drivers=[driver.statistics() for driver in self._drivers()],
         )
+
+    def _drivers(self) -> list[TierDriver]:
+        drivers: list[TierDriver] = []
+        for pool in self._pools.values():
+            drivers += [*pool.gpus.values(), pool.cpu] + ([pool.nvme] if pool.nvme else [])
+        return list(dict.fromkeys(drivers))
 
     def drain_events(self, max_events: int | None = None) -> list[KVEvent]:
         """Take up to ``max_events`` KV events (all when ``None``), oldest first."""

@@ -31,7 +31,6 @@ class NullTier:
         self.gate.set()
         #: Ops for these keys fail with TierIOError.
         self.fail_keys: set[ChunkKey] = set()
-        self.ops_started = 0
         self._reads = self._writes = self._errors = 0
         self._closed = False
 
@@ -46,7 +45,6 @@ class NullTier:
     async def _move(self, ops: Sequence[TransferOp]) -> None:
         if self._closed:
             raise TierClosedError("used after close", tier=self.name)
-        self.ops_started += len(ops)
         if not self.gate.is_set():
             await self.gate.wait()
         failed = [op.key for op in ops if op.key in self.fail_keys]

@@ -13,7 +13,7 @@ Quotas are in chunks; a caller with a quota in bytes divides by the tier's chunk
 :class:`TierPartition` is synchronous and owns no bytes. The owner (the manager) counts a
 chunk from the moment it reserves the chunk's slot::
 
-    victims = partition.make_room(ns, len(keys), protected=directory.is_pinned)
+    victims = partition.make_room(ns, len(keys), protected=is_pinned_or_pending)
     if victims is None: ...            # cannot store now; nothing changed
     for owner_ns, keys_out in victims.items(): ...   # free these slots
     for key in keys: partition.insert(ns, key)

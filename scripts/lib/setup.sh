@@ -1,7 +1,9 @@
 # Sourced by scripts/test and scripts/bench: make .venv (or $TIERED_KV_VENV) ready.
 #
 # - A torch importable by the invoking python3 (say, a CUDA build) is kept: the venv then
-#   sees the system site-packages. Otherwise the CPU build torch==2.13.0 is installed.
+#   sees the system site-packages. Otherwise torch==2.13.0 is installed: the CPU build
+#   where pip finds one (this project's machines have it on local disk; elsewhere set
+#   PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index).
 # - The project and its dev extra are installed editable; the step is skipped while
 #   pyproject.toml is unchanged since the last install.
 set -euo pipefail
@@ -22,7 +24,7 @@ stamp="$venv/.tiered-kv-installed"
 want=$(cat "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if ! "$py" -c "import torch" >/dev/null 2>&1; then
-    echo "setup: installing the CPU build torch==2.13.0" >&2
+    echo "setup: installing torch==2.13.0" >&2
     "$py" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
   fi
   echo "setup: installing tiered-kv (editable) with its dev extra" >&2

@@ -1,6 +1,6 @@
 """``tiered-kv bench``: measured figures, each against a limit measured in the same run.
 
-A bench is made of sections (``tiers``, ``policies``, ``overhead``, ``keys``).
+A bench is made of sections (``tiers``, ``workload``, ``policies``, ``overhead``, ``keys``).
 Each section adds its own command-line options, runs, and returns a JSON-able payload
 plus a table for people. A bare ``tiered-kv bench`` runs every section in order; the
 JSON document is ``{"schema": 1, "<section>": payload, ..., "errors": [...]}``.

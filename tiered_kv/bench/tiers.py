@@ -77,7 +77,8 @@ class TierFigure(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     limit_gbps: float
     limit: str
     ratio: float
-    #: gpu paths: how the engine's KV cache is held (``per-layer`` or ``fused``).
+    #: gpu paths: how the engine holds its KV cache (``per-layer``, ``fused``), and whether
+    #: a job's blocks are scattered (``per-layer, scattered``) rather than in order.
     layout: str | None = None
 
 
