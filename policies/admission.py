@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from policies._checks import check_capacity
+from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import PolicyError
 from tiered_kv.keys import ChunkKey
 
@@ -29,7 +30,7 @@ class SeenK:
 
     def __init__(self, capacity: int, *, k: int = 2) -> None:
         self.capacity = check_capacity(capacity)
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if not is_int_at_least(k, 1):
             raise PolicyError(f"k must be a positive number of sightings, got {k!r}")
         self.k = k
         self._counts: OrderedDict[ChunkKey, int] = OrderedDict()

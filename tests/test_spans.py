@@ -65,13 +65,13 @@ def test_window_of_one_token_needs_no_cached_block() -> None:
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: window_span(-1, 4096, 32), "num_cached_tokens must be >= 0"),
+        (lambda: window_span(-1, 4096, 32), "num_cached_tokens must be an integer >= 0"),
         (lambda: window_span(10, 0, 32), "window must be a positive integer"),
         (lambda: window_span(10, 4096, -32), "block_size must be a positive integer"),
-        (lambda: window_span(1.5, 4096, 32), "num_cached_tokens must be an integer"),
+        (lambda: window_span(1.5, 4096, 32), "num_cached_tokens must be an integer >= 0"),
         (lambda: max_window_blocks(-4, 32), "window must be a positive integer"),
-        (lambda: validate_window_span(-1, **PROD), "num_pending_blocks must be >= 0"),
-        (lambda: validate_window_span(True, **PROD), "num_pending_blocks must be an integer"),
+        (lambda: validate_window_span(-1, **PROD), "num_pending_blocks must be an integer >= 0"),
+        (lambda: validate_window_span(True, **PROD), "num_pending_blocks must be an integer >= 0"),
         (lambda: validate_window_span(1, window=4096, block_size=32, chunk_size=48), "not a multiple"),
         (lambda: validate_window_span(1, window=4096, block_size=32, chunk_size=0), "chunk_size must be"),
         (lambda: span_chunks(range(5, 1, -1), block_size=32, chunk_size=256), "contiguous range"),

@@ -47,16 +47,17 @@ async def test_a_cancelled_wait_returns_only_once_the_work_is_done() -> None:
 
 
 async def test_calls_not_started_when_cancelled_never_run() -> None:
-    release = threading.Event()
+    release, started = threading.Event(), threading.Event()
     ran: list[int] = []
 
     def work(i: int) -> None:
+        started.set()
         release.wait(10)
         ran.append(i)
 
     with ThreadPoolExecutor(1) as pool:
         task = asyncio.ensure_future(in_threads(pool, work, [(0,), (1,), (2,)]))
-        await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(started.wait, 10)  # call 0 runs; 1 and 2 wait for the thread
         task.cancel()
         await asyncio.sleep(0.01)
         release.set()

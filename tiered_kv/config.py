@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import ConfigError
 from tiered_kv.registry import ADMISSION_FILTERS, POLICIES
 
@@ -21,7 +22,7 @@ T = TypeVar("T")
 
 
 def _require_positive(field: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int_at_least(value, 1):
         raise ConfigError(f"must be a positive integer, got {value!r}", field=field)
 
 

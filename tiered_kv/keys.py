@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import ChunkKeyError
 from tiered_kv.namespace import Namespace
 
@@ -92,7 +93,7 @@ def chunk_keys(namespace: Namespace, tokens: TokenIds, *, group: int = 0) -> lis
 
 
 def _check_group(namespace: Namespace, group: int) -> bytes:
-    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(namespace.geometry.groups):
+    if not is_int_at_least(group, 0) or group >= len(namespace.geometry.groups):
         raise ChunkKeyError(f"group must be in [0, {len(namespace.geometry.groups)}), got {group!r}")
     return struct.pack("<I", group)
 

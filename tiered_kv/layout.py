@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import GeometryError
 
 #: Bytes per element for every dtype a KV cache is kept in.
@@ -35,7 +36,7 @@ class AttentionKind(enum.StrEnum):
 
 
 def _require_positive(field: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int_at_least(value, 1):
         raise GeometryError(f"must be a positive integer, got {value!r}", field=field)
 
 

@@ -36,6 +36,7 @@ import msgspec
 import torch
 from structlog.contextvars import bound_contextvars
 
+from tiered_kv.checks import is_int_at_least
 from tiered_kv.config import NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
 from tiered_kv.directory import Reservation, TierIndex, Victim
 from tiered_kv.errors import (
@@ -493,7 +494,7 @@ class TieredKV:
 
     def _plan_load(self, pool: _Pool, keys: Sequence[ChunkKey], block_ids: Sequence[int], num_tokens: int) -> _LoadPlan:
         k, b = pool.blocks_per_chunk, pool.block_size
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        if not is_int_at_least(num_tokens, 0):
             raise SpanError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
         if pool.kind is not AttentionKind.SLIDING_WINDOW:
             span = range(cdiv(num_tokens, b))

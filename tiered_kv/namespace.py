@@ -23,6 +23,7 @@ import struct
 
 import msgspec
 
+from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import NamespaceError
 from tiered_kv.layout import KVGeometry, KVGroup
 
@@ -93,7 +94,7 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise NamespaceError("must not be empty (use a commit hash or 'main')", field="model_revision")
         for name in ("runner_layout_version", "tp_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int_at_least(value, 1):
                 raise NamespaceError(f"must be a positive integer, got {value!r}", field=name)
         if isinstance(self.tp_rank, bool) or not 0 <= self.tp_rank < self.tp_size:
             raise NamespaceError(f"must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}", field="tp_rank")

@@ -26,6 +26,7 @@ import random
 import time
 from collections.abc import Callable
 
+from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import ConfigError, PolicyError
 from tiered_kv.interfaces import CachePolicy
 from tiered_kv.keys import ChunkKey
@@ -59,7 +60,7 @@ class TierPartition:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        if not is_int_at_least(capacity, 1):
             raise ConfigError(f"must be a positive number of chunks, got {capacity!r}", field=f"{tier}.capacity")
         self.tier = tier
         self.capacity = capacity
@@ -92,7 +93,7 @@ class TierPartition:
         """
         if namespace in self._shares:
             raise PolicyError(f"namespace {namespace!r} is already in tier {self.tier}")
-        if isinstance(quota, bool) or not isinstance(quota, int) or quota < 0:
+        if not is_int_at_least(quota, 0):
             raise ConfigError(
                 f"must be a non-negative number of chunks, got {quota!r}", field=f"quota_chunks.{self.tier}"
             )
@@ -167,7 +168,7 @@ class TierPartition:
         their recency (and ghost state) in their policies is not.
         """
         requester = self._share(namespace)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not is_int_at_least(n, 0):
             raise PolicyError(f"cannot make room for {n!r} chunks; n must be a non-negative integer")
         deficit = n - self.free
         if deficit <= 0:

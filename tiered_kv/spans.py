@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import SpanError
 
 
@@ -23,7 +24,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int_at_least(value, 1):
         raise SpanError(f"{name} must be a positive integer, got {value!r}")
 
 
@@ -39,10 +40,8 @@ def _check_geometry(window: int, block_size: int, chunk_size: int | None = None)
 def window_span(num_cached_tokens: int, window: int, block_size: int) -> range:
     """GPU block indices holding cached tokens ``max(0, N−W+1) … N−1`` (empty when N = 0)."""
     _check_geometry(window, block_size)
-    if isinstance(num_cached_tokens, bool) or not isinstance(num_cached_tokens, int):
-        raise SpanError(f"num_cached_tokens must be an integer, got {num_cached_tokens!r}")
-    if num_cached_tokens < 0:
-        raise SpanError(f"num_cached_tokens must be >= 0, got {num_cached_tokens}")
+    if not is_int_at_least(num_cached_tokens, 0):
+        raise SpanError(f"num_cached_tokens must be an integer >= 0, got {num_cached_tokens!r}")
     first_token = max(0, num_cached_tokens - window + 1)
     last_token = num_cached_tokens - 1
     if first_token > last_token:
@@ -65,10 +64,8 @@ def max_window_blocks(window: int, block_size: int) -> int:
 def validate_window_span(num_pending_blocks: int, *, window: int, block_size: int, chunk_size: int) -> None:
     """Raise :class:`SpanError` unless ``num_pending_blocks`` is a span a window can need."""
     _check_geometry(window, block_size, chunk_size)
-    if isinstance(num_pending_blocks, bool) or not isinstance(num_pending_blocks, int):
-        raise SpanError(f"num_pending_blocks must be an integer, got {num_pending_blocks!r}")
-    if num_pending_blocks < 0:
-        raise SpanError(f"num_pending_blocks must be >= 0, got {num_pending_blocks}")
+    if not is_int_at_least(num_pending_blocks, 0):
+        raise SpanError(f"num_pending_blocks must be an integer >= 0, got {num_pending_blocks!r}")
     bound = max_window_blocks(window, block_size)
     if num_pending_blocks > bound:
         aligned = cdiv(window, chunk_size) * (chunk_size // block_size)
