@@ -449,48 +449,46 @@ class TieredKV:
         self._check()
         # Events of this load, in the promotions it starts too, carry the request and namespace.
         with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
-            return await self._load(namespace, request_id, keys, block_ids, num_tokens)
-
-    async def _load(
-        self,
-        namespace: Namespace,
-        request_id: str,
-        keys: Sequence[Sequence[ChunkKey]],
-        block_ids: Sequence[Sequence[int]],
-        num_tokens: int,
-    ) -> int:
-        pools = self._pools_of(namespace)
-        started = self._clock()
-        try:
-            if len(keys) != len(pools) or len(block_ids) != len(pools):
-                raise SpanError(f"{len(keys)} key lists and {len(block_ids)} block tables for {len(pools)} KV groups")
-            plans = [self._plan_load(pool, k, b, num_tokens) for pool, k, b in zip(pools, keys, block_ids, strict=True)]
-        except SpanError as exc:
-            self._rejected["span"] += 1
-            log.warning(
-                "load.rejected", namespace=pools[0].fingerprint, request_id=request_id, reason="span", error=str(exc)
+            pools = self._pools_of(namespace)
+            started = self._clock()
+            try:
+                if len(keys) != len(pools) or len(block_ids) != len(pools):
+                    raise SpanError(
+                        f"{len(keys)} key lists and {len(block_ids)} block tables for {len(pools)} KV groups"
+                    )
+                plans = [
+                    self._plan_load(pool, k, b, num_tokens) for pool, k, b in zip(pools, keys, block_ids, strict=True)
+                ]
+            except SpanError as exc:
+                self._rejected["span"] += 1
+                log.warning(
+                    "load.rejected",
+                    namespace=pools[0].fingerprint,
+                    request_id=request_id,
+                    reason="span",
+                    error=str(exc),
+                )
+                return 0
+            log.debug("load.started", namespace=pools[0].fingerprint, request_id=request_id, n_tokens=num_tokens)
+            self._loads_in_flight += 1
+            sources: collections.Counter[str] = collections.Counter()
+            try:
+                loaded = await self._run_load(namespace.tp_rank, plans, request_id, num_tokens, sources)
+            finally:
+                self._loads_in_flight -= 1
+            if loaded < num_tokens:
+                self._rejected["transfer"] += 1
+            ms = (self._clock() - started) * 1e3
+            log.debug(
+                "load.done",
+                namespace=pools[0].fingerprint,
+                request_id=request_id,
+                n_tokens=loaded,
+                chunks_from_cpu=sources["cpu"],
+                chunks_from_nvme=sources["nvme"],
+                ms=ms,
             )
-            return 0
-        log.debug("load.started", namespace=pools[0].fingerprint, request_id=request_id, n_tokens=num_tokens)
-        self._loads_in_flight += 1
-        sources: collections.Counter[str] = collections.Counter()
-        try:
-            loaded = await self._run_load(namespace.tp_rank, plans, request_id, num_tokens, sources)
-        finally:
-            self._loads_in_flight -= 1
-        if loaded < num_tokens:
-            self._rejected["transfer"] += 1
-        ms = (self._clock() - started) * 1e3
-        log.debug(
-            "load.done",
-            namespace=pools[0].fingerprint,
-            request_id=request_id,
-            n_tokens=loaded,
-            chunks_from_cpu=sources["cpu"],
-            chunks_from_nvme=sources["nvme"],
-            ms=ms,
-        )
-        return loaded
+            return loaded
 
     def _plan_load(self, pool: _Pool, keys: Sequence[ChunkKey], block_ids: Sequence[int], num_tokens: int) -> _LoadPlan:
         k, b = pool.blocks_per_chunk, pool.block_size
