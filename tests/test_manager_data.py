@@ -16,6 +16,8 @@ from conftest import make_namespace
 
 from tiered_kv import (
     AttentionKind,
+    BlockTableError,
+    ConfigError,
     CpuTierConfig,
     KVGeometry,
     KVGroup,
@@ -301,3 +303,28 @@ async def test_concurrent_loads_from_nvme_through_a_small_cpu_tier_all_complete(
 
         await asyncio.gather(lane(), lane())
         assert kv.statistics().hits.get("nvme", 0) >= 28
+
+
+async def test_tensors_that_do_not_match_the_geometry_are_refused_at_registration(tmp_path: Path) -> None:
+    async with TieredKV(config(tmp_path, cpu_chunks=4, nvme_chunks=4)) as kv:
+        wrong = [torch.zeros(16, 2, 4, 2, 16, dtype=torch.float16) for _ in range(2)]  # head_dim 16, not 8
+        with pytest.raises(ConfigError, match="bytes per block") as caught:
+            await kv.register(NS, [wrong])
+        assert caught.value.field == "kv_caches"
+        await kv.register(NS, [engine_cache()])  # nothing half-registered stands in the way
+
+
+async def test_block_ids_outside_the_cache_are_typed_errors_not_crashes(tmp_path: Path) -> None:
+    cache = engine_cache(16)
+    keys = chunk_keys(NS, list(range(32)))
+    async with TieredKV(config(tmp_path, cpu_chunks=4, nvme_chunks=4)) as kv:
+        await kv.register(NS, [cache])
+        with pytest.raises(BlockTableError, match="GPU block 99"):
+            await kv.store(NS, request_id="bad", keys=[keys], block_ids=[[0, 1, 2, 3, 4, 5, 6, 99]])
+        stats = kv.statistics()
+        assert stats.queue_depths["stores"] == 0 and stats.tiers[0].used_chunks == 0
+        await kv.store(NS, request_id="ok", keys=[keys], block_ids=[list(range(8))])
+        await kv.finish_request("ok")
+        loaded = await kv.load(NS, request_id="l", keys=[keys], block_ids=[[0, 1, 2, 3, 4, 5, 6, 99]], num_tokens=32)
+        assert loaded == 0 and kv.statistics().loads_rejected == {"block_table": 1}
+        kv.check_invariants()

@@ -12,6 +12,7 @@ from tiered_kv.config import (
     load_config,
 )
 from tiered_kv.errors import (
+    BlockTableError,
     BusyError,
     ChunkKeyError,
     ConfigError,
@@ -42,6 +43,7 @@ __all__ = [
     "POLICIES",
     "TIERS",
     "AttentionKind",
+    "BlockTableError",
     "BusyError",
     "ChunkKey",
     "ChunkKeyError",

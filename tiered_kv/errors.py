@@ -38,6 +38,10 @@ class SpanError(TieredKVError, ValueError):
     """
 
 
+class BlockTableError(TieredKVError, ValueError):
+    """A block table names a GPU block the registered KV cache does not have."""
+
+
 class ChunkKeyError(TieredKVError, ValueError):
     """Token ids or engine block hashes cannot be turned into chunk keys."""
 

@@ -40,6 +40,7 @@ from tiered_kv.checks import is_int_at_least
 from tiered_kv.config import NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
 from tiered_kv.directory import Reservation, TierIndex, Victim
 from tiered_kv.errors import (
+    BlockTableError,
     ConfigError,
     CorruptChunk,
     SpanError,
@@ -263,11 +264,28 @@ class TieredKV:
         async with self._registering:  # replicated ranks registering at once open one set of pools
             if (base.fingerprint_hex, 0) not in self._pools:
                 await self._open_pools(base)
-        for group, tensors in enumerate(kv_caches):
-            pool = self._pools[(base.fingerprint_hex, group)]
-            if namespace.tp_rank in pool.gpus:
-                raise ConfigError(f"rank {namespace.tp_rank} of {namespace.model_id} is already registered")
-            pool.gpus[namespace.tp_rank] = self._tiers.gpu(base, group, tensors)
+        pools = [self._pools[(base.fingerprint_hex, group)] for group in range(len(kv_caches))]
+        if any(namespace.tp_rank in pool.gpus for pool in pools):
+            raise ConfigError(f"rank {namespace.tp_rank} of {namespace.model_id} is already registered")
+        gpus: list[TierDriver] = []
+        try:
+            for group, tensors in enumerate(kv_caches):
+                try:
+                    gpus.append(self._tiers.gpu(base, group, tensors))
+                except ValueError as exc:
+                    raise ConfigError(f"group {group}: {exc}", field="kv_caches") from exc
+                if gpus[-1].slot_bytes != geometry.block_bytes(group):
+                    raise ConfigError(
+                        f"group {group}: the tensors hold {gpus[-1].slot_bytes} bytes per block, the namespace's "
+                        f"geometry {geometry.block_bytes(group)}",
+                        field="kv_caches",
+                    )
+        except BaseException:
+            for gpu in gpus:
+                await gpu.close()
+            raise
+        for pool, gpu in zip(pools, gpus, strict=True):
+            pool.gpus[namespace.tp_rank] = gpu
         log.info(
             "namespace.registered", namespace=base.fingerprint_hex, model=namespace.model_id, rank=namespace.tp_rank
         )
@@ -459,13 +477,16 @@ class TieredKV:
                 plans = [
                     self._plan_load(pool, k, b, num_tokens) for pool, k, b in zip(pools, keys, block_ids, strict=True)
                 ]
-            except SpanError as exc:
-                self._rejected["span"] += 1
+                for pool, plan in zip(pools, plans, strict=True):
+                    _check_blocks(pool.gpus[namespace.tp_rank], [b for blocks in plan.blocks for b in blocks])
+            except (SpanError, BlockTableError) as exc:
+                reason = "span" if isinstance(exc, SpanError) else "block_table"
+                self._rejected[reason] += 1
                 log.warning(
                     "load.rejected",
                     namespace=pools[0].fingerprint,
                     request_id=request_id,
-                    reason="span",
+                    reason=reason,
                     error=str(exc),
                 )
                 return 0
@@ -784,6 +805,7 @@ class TieredKV:
                             continue
                         seen.add(key)
                         chunks.append((key, blocks))
+                    _check_blocks(pool.gpus[namespace.tp_rank], [b for _, blocks in chunks for b in blocks])
                     planned.append((pool, chunks))
                 reservations: list[tuple[_Pool, Reservation]] = []
                 for pool, chunks in planned:
@@ -1076,6 +1098,13 @@ class TieredKV:
             reason=type(exc).__name__,
             **fields,
         )
+
+
+def _check_blocks(gpu: TierDriver, blocks: list[int]) -> None:
+    """Refuse a block table naming blocks the rank's KV cache does not have, before any copy."""
+    if blocks and (min(blocks) < 0 or max(blocks) >= gpu.num_slots):
+        bad = next(b for b in blocks if not 0 <= b < gpu.num_slots)
+        raise BlockTableError(f"GPU block {bad} is outside the registered KV cache's {gpu.num_slots} blocks")
 
 
 class RegistryTiers:

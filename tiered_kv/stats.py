@@ -34,7 +34,8 @@ class Statistics(msgspec.Struct, frozen=True, kw_only=True):
     #: queued for nvme; ``loads``: loads in flight; ``background_tasks``: scheduler tasks.
     queue_depths: dict[str, int]
     #: Loads that returned fewer tokens than asked, by reason: ``span`` (a sliding-window
-    #: span out of bounds: nothing loaded), ``transfer`` (a copy failed, or a chunk left
+    #: span out of bounds: nothing loaded), ``block_table`` (a block id outside the
+    #: registered cache: nothing loaded), ``transfer`` (a copy failed, or a chunk left
     #: its tier between lookup and load: a full-attention model keeps the good prefix, a
     #: hybrid one and a failed copy to the GPU load nothing).
     loads_rejected: dict[str, int]
