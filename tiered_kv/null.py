@@ -13,38 +13,34 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from tiered_kv.config import NvmeTierConfig
-from tiered_kv.errors import TierClosedError, TierIOError
-from tiered_kv.interfaces import TierStats, TransferOp
+from tiered_kv.driver_base import DriverBase
+from tiered_kv.errors import TierIOError
+from tiered_kv.interfaces import TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.namespace import Namespace
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
-class NullTier:
+class NullTier(DriverBase):
     def __init__(self, name: str, slot_bytes: int, num_slots: int) -> None:
-        self.name = name
-        self.slot_bytes = slot_bytes
-        self.num_slots = num_slots
+        super().__init__(name, slot_bytes, num_slots)
         #: When set, every read and write waits here first (clear it to hold copies).
         self.gate = asyncio.Event()
         self.gate.set()
         #: Ops for these keys fail with TierIOError.
         self.fail_keys: set[ChunkKey] = set()
-        self._reads = self._writes = self._errors = 0
-        self._closed = False
 
     async def read(self, ops: Sequence[TransferOp]) -> None:
         await self._move(ops)
-        self._reads += len(ops)
+        self._count(read=True, ops=len(ops), nbytes=0)
 
     async def write(self, ops: Sequence[TransferOp]) -> None:
         await self._move(ops)
-        self._writes += len(ops)
+        self._count(read=False, ops=len(ops), nbytes=0)
 
     async def _move(self, ops: Sequence[TransferOp]) -> None:
-        if self._closed:
-            raise TierClosedError("used after close", tier=self.name)
+        self._check_open()
         if not self.gate.is_set():
             await self.gate.wait()
         failed = [op.key for op in ops if op.key in self.fail_keys]
@@ -60,16 +56,6 @@ class NullTier:
 
     def forget(self, slots: Iterable[int]) -> None:
         pass
-
-    def statistics(self) -> TierStats:
-        return TierStats(
-            name=self.name,
-            slot_bytes=self.slot_bytes,
-            num_slots=self.num_slots,
-            reads=self._reads,
-            writes=self._writes,
-            errors=self._errors,
-        )
 
     async def close(self) -> None:
         self._closed = True

@@ -1,5 +1,6 @@
-"""What every driver in this package shares: op checks, counters, closed state, and
-waiting out worker threads when the awaiting task is cancelled.
+"""What every driver in this package shares: op checks, worker pools, and waiting out
+worker threads when the awaiting task is cancelled (identity and counters are the core's
+:class:`tiered_kv.driver_base.DriverBase`).
 
 Copies and file I/O run in worker threads so the event loop stays responsive. A thread
 cannot be stopped half-way, so a cancelled driver call waits for its threads to let go of
@@ -19,8 +20,8 @@ from typing import TypeVar
 
 import torch
 
-from tiered_kv.errors import TierClosedError, TierError, TierFullError, TierIOError
-from tiered_kv.interfaces import TierStats, TransferOp
+from tiered_kv.errors import TierError, TierFullError, TierIOError
+from tiered_kv.interfaces import TransferOp
 
 T = TypeVar("T")
 
@@ -148,40 +149,3 @@ def check_slots(ops: Sequence[TransferOp], num_slots: int) -> None:
         raise ValueError(f"slot {bad[0]} is outside this tier's {num_slots} slots")
     if len(set(slots)) != len(slots):
         raise ValueError("a batch names the same slot twice")
-
-
-class DriverBase:
-    """Identity, counters and the closed flag of a driver."""
-
-    def __init__(self, name: str, slot_bytes: int, num_slots: int) -> None:
-        if slot_bytes <= 0 or num_slots <= 0:
-            raise ValueError(f"a tier needs slot_bytes > 0 and num_slots > 0, got {slot_bytes} and {num_slots}")
-        self.name = name
-        self.slot_bytes = slot_bytes
-        self.num_slots = num_slots
-        self._closed = False
-        self._reads = self._writes = self._bytes_read = self._bytes_written = self._errors = 0
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierClosedError("used after close", tier=self.name)
-
-    def _count(self, *, read: bool, ops: int, nbytes: int) -> None:
-        if read:
-            self._reads += ops
-            self._bytes_read += nbytes
-        else:
-            self._writes += ops
-            self._bytes_written += nbytes
-
-    def statistics(self) -> TierStats:
-        return TierStats(
-            name=self.name,
-            slot_bytes=self.slot_bytes,
-            num_slots=self.num_slots,
-            reads=self._reads,
-            writes=self._writes,
-            bytes_read=self._bytes_read,
-            bytes_written=self._bytes_written,
-            errors=self._errors,
-        )

@@ -32,9 +32,10 @@ from typing import NamedTuple
 
 import torch
 
+from tiered_kv.driver_base import DriverBase
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.log import get_logger
-from tiers._driver import COPY_WORKERS, DriverBase, check_buffer, in_threads, shutdown, split, tier_error, worker_pool
+from tiers._driver import COPY_WORKERS, check_buffer, in_threads, shutdown, split, tier_error, worker_pool
 
 log = get_logger("gpu")
 

@@ -50,6 +50,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from tiered_kv.driver_base import DriverBase
 from tiered_kv.errors import CorruptChunk, CorruptStore, TierError, TierIOError
 from tiered_kv.inspection import Inspection
 from tiered_kv.interfaces import TransferOp
@@ -58,7 +59,6 @@ from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
 from tiers._driver import (
     PAGE,
-    DriverBase,
     check_buffer,
     check_slots,
     in_threads,

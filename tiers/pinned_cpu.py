@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
+from tiered_kv.driver_base import DriverBase
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.log import get_logger
 from tiers._driver import (
     COPY_WORKERS,
     PAGE,
-    DriverBase,
     check_buffer,
     check_slots,
     in_threads,
