@@ -495,9 +495,11 @@ async def test_an_unknown_admission_filter_fails_registration_by_name() -> None:
     cfg = TieredKVConfig(
         cpu=CpuTierConfig(capacity_bytes=CHUNK * 8), default_policy=NamespacePolicyConfig(admission="nope")
     )
-    async with TieredKV(cfg, tiers=NullTiers()) as kv:
+    tiers = NullTiers()
+    async with TieredKV(cfg, tiers=tiers) as kv:
         with pytest.raises(UnknownPluginError, match="seen_k"):
             await kv.register(NS, gpu_tensors())
+        assert [tier._closed for tier in tiers.made["cpu"]] == [True]  # the slab it opened is closed
 
 
 async def test_statistics_include_every_drivers_own_counters(h: Harness) -> None:

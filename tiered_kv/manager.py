@@ -113,7 +113,6 @@ class _Pool:
         nvme: RecoverableTier | None,
         nvme_index: TierIndex | None,
     ) -> None:
-        self.namespace = namespace
         self.fingerprint = namespace.fingerprint_hex
         self.group = group
         geometry = namespace.geometry
@@ -201,7 +200,6 @@ class TieredKV:
         self._write_behind_budget = Budget(max_write_behind_chunks, "nvme write-behind queue (chunks)")
         #: Store jobs still reading GPU blocks, by request.
         self._jobs: dict[str, set[_StoreJob]] = collections.defaultdict(set)
-        self._job_count = 0
         self._events: collections.deque[KVEvent] = collections.deque(maxlen=max_events)
         self._events_dropped = 0
         self._hits: collections.Counter[str] = collections.Counter()
@@ -244,9 +242,8 @@ class TieredKV:
         cpu_cap = sum(p.cpu_index.num_slots for p in self._pools.values())
         nvme = sum(p.nvme_index.used for p in self._pools.values() if p.nvme_index is not None)
         nvme_cap = sum(p.nvme_index.num_slots for p in self._pools.values() if p.nvme_index is not None)
-        return (
-            f"<TieredKV cpu={cpu}/{cpu_cap} nvme={nvme}/{nvme_cap} inflight={self._job_count + self._loads_in_flight}>"
-        )
+        inflight = sum(map(len, self._jobs.values())) + self._loads_in_flight
+        return f"<TieredKV cpu={cpu}/{cpu_cap} nvme={nvme}/{nvme_cap} inflight={inflight}>"
 
     # -- registration ------------------------------------------------------------------
     async def register(self, namespace: Namespace, kv_caches: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -340,21 +337,23 @@ class TieredKV:
             if self.config.nvme is not None and nvme_slots:
                 nvme = await self._tiers.nvme(base, group, chunk_bytes, nvme_slots, self.config.nvme)
                 nvme_index = TierIndex("nvme", TierPartition("nvme", nvme_slots, clock=self._clock))
+            cpu_index = TierIndex("cpu", TierPartition("cpu", cpu_slots, clock=self._clock))
+            pool = _Pool(base, group, policy, cpu, cpu_index, nvme, nvme_index)
+            if policy.admission is not None:
+                # It remembers a few times more chunks than the tiers hold: a chunk worth
+                # storing comes back before that many others have been seen.
+                remembered = 4 * (cpu_slots + nvme_slots)
+                pool.admission = make_admission_filter(policy.admission, remembered, k=policy.admission_k)
+            owner = self._owner(pool, base)
+            if nvme is not None and nvme_index is not None:
+                # A warm restart cannot tell which tenant stored a chunk: it counts in the base share.
+                for key, slot in nvme.recovered().items():
+                    nvme_index.restore(key, slot, owner)
         except BaseException:
             await cpu.close()
+            if nvme is not None:
+                await nvme.close()
             raise
-        cpu_index = TierIndex("cpu", TierPartition("cpu", cpu_slots, clock=self._clock))
-        pool = _Pool(base, group, policy, cpu, cpu_index, nvme, nvme_index)
-        if policy.admission is not None:
-            # It remembers a few times more chunks than the tiers hold: a chunk worth
-            # storing comes back before that many others have been seen.
-            remembered = 4 * (cpu_slots + nvme_slots)
-            pool.admission = make_admission_filter(policy.admission, remembered, k=policy.admission_k)
-        owner = self._owner(pool, base)
-        if nvme is not None and nvme_index is not None:
-            # A warm restart cannot tell which tenant stored a chunk: it counts in the base share.
-            for key, slot in nvme.recovered().items():
-                nvme_index.restore(key, slot, owner)
         return pool
 
     def _owner(self, pool: _Pool, namespace: Namespace) -> str:
@@ -712,19 +711,17 @@ class TieredKV:
             await self._spill(pool, reservation.evicted)
             async with self._disk_gate.hold(LOAD_PRIORITY):
                 await pool.nvme.read([TransferOp(buffer=pool.cpu.view(slot), key=key, slot=nvme_slot)])
-        except TierError as exc:
+        except BaseException as exc:
             pool.nvme_index.unpin(key)
             pool.cpu_index.drop(key)
+            if not isinstance(exc, TierError):
+                raise
             self._transfer_failed("nvme->cpu", pool, None, exc)
             entry = pool.nvme_index.get(key)
             if isinstance(exc, CorruptChunk) and entry is not None and not entry.pins:
                 self._drop_nvme(pool, [key])
                 self._emit(pool, KVEventKind.REMOVED, "nvme", key, owner)
             return False
-        except BaseException:
-            pool.nvme_index.unpin(key)
-            pool.cpu_index.drop(key)
-            raise
         pool.nvme_index.unpin(key)
         pool.nvme_index.hit(key)
         pool.cpu_index.mark_ready(key)
@@ -843,7 +840,6 @@ class TieredKV:
                 self._evicted(pool, "cpu", reservation.evicted)
                 job = _StoreJob(pool, namespace.fingerprint_hex, namespace.tp_rank, request_id, chunks)
                 self._jobs[request_id].add(job)
-                self._job_count += 1
                 task = self._scheduler.spawn(
                     self._run_store(job, reservation.slots, reservation.evicted), name=f"store-{request_id}"
                 )
@@ -859,7 +855,6 @@ class TieredKV:
         jobs.discard(job)
         if not jobs:
             del self._jobs[job.request_id]
-        self._job_count -= 1
 
     async def _run_store(self, job: _StoreJob, slots: dict[ChunkKey, int], evicted: list[Victim]) -> None:
         job.started = True
@@ -952,13 +947,12 @@ class TieredKV:
         try:
             async with self._disk_gate.hold(STORE_PRIORITY):
                 await pool.nvme.write(ops)
-        except TierError as exc:
+        except BaseException as exc:
             self._drop_nvme(pool, keys)
+            if not isinstance(exc, TierError):
+                raise
             self._transfer_failed("cpu->nvme", pool, None, exc)
             return
-        except BaseException:
-            self._drop_nvme(pool, keys)
-            raise
         for key in keys:
             pool.nvme_index.mark_ready(key)
             self._emit(pool, KVEventKind.STORED, "nvme", key, pool.nvme_index.owner(key))
