@@ -154,3 +154,29 @@ async def test_close_cancels_background_tasks() -> None:
     assert cancelled.is_set() and scheduler.background == 0
     with pytest.raises(TieredKVError, match="closed"):
         scheduler.spawn(forever(), name="late")
+
+
+async def test_the_gate_counts_only_live_waiters() -> None:
+    gate = PriorityGate(1)
+    release, forever = asyncio.Event(), asyncio.Event()
+
+    async def hold(until: asyncio.Event) -> None:
+        async with gate.hold(STORE_PRIORITY):
+            await until.wait()
+
+    held = asyncio.ensure_future(hold(release))
+    await settle()
+    waiters = [asyncio.ensure_future(hold(forever)) for _ in range(3)]
+    await settle()
+    assert gate.waiting == 3
+    waiters[0].cancel()
+    await settle()
+    assert gate.waiting == 2
+    release.set()
+    await held
+    await settle()
+    assert (gate.waiting, gate.holders) == (1, 1)
+    for waiter in waiters:
+        waiter.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert (gate.waiting, gate.holders) == (0, 0)

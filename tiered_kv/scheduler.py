@@ -38,12 +38,11 @@ class PriorityGate:
             raise ValueError(f"limit must be positive, got {limit}")
         self.limit = limit
         self.holders = 0
+        #: Waiters by priority; a cancelled one stays in the heap until it is popped.
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        #: Waiters still waiting (the heap's entries less the cancelled ones).
+        self.waiting = 0
         self._seq = itertools.count()
-
-    @property
-    def waiting(self) -> int:
-        return sum(1 for *_, fut in self._waiters if not fut.done())
 
     @asynccontextmanager
     async def hold(self, priority: int) -> AsyncIterator[None]:
@@ -59,6 +58,7 @@ class PriorityGate:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiters, (priority, next(self._seq), fut))
+        self.waiting += 1
         try:
             await fut
         except BaseException:
@@ -67,6 +67,7 @@ class PriorityGate:
                 self._release()
             else:
                 fut.cancel()
+                self.waiting -= 1
             raise
 
     def _release(self) -> None:
@@ -75,6 +76,7 @@ class PriorityGate:
             _, _, fut = heapq.heappop(self._waiters)
             if not fut.done():
                 self.holders += 1
+                self.waiting -= 1
                 fut.set_result(None)
 
 
