@@ -25,6 +25,19 @@ from tiered_kv.null import NullTier, NullTiers
 from tiered_kv.stats import KVEventKind
 
 
+#: A model with two full-attention KV groups of one layer each.
+TWO_GROUPS = make_namespace(
+    geometry=KVGeometry(
+        dtype="float16",
+        block_size=4,
+        chunk_size=16,
+        groups=(KVGroup(num_layers=1, num_kv_heads=1, head_dim=8), KVGroup(num_layers=1, num_kv_heads=1, head_dim=8)),
+    )
+)
+#: Bytes of one token chunk over both groups.
+TWO_GROUPS_CHUNK = TWO_GROUPS.geometry.chunk_bytes(0) + TWO_GROUPS.geometry.chunk_bytes(1)
+
+
 async def test_flush_from_a_tenant_waits_for_stores_reading_those_blocks() -> None:
     harness = await open_harness(config())
     tenant = make_namespace(cache_salt="tenant")
@@ -78,18 +91,8 @@ class FailingNvme(NullTiers):
 
 
 async def test_a_failed_registration_leaves_nothing_behind_and_can_be_retried() -> None:
-    two_groups = make_namespace(
-        geometry=KVGeometry(
-            dtype="float16",
-            block_size=4,
-            chunk_size=16,
-            groups=(
-                KVGroup(num_layers=1, num_kv_heads=1, head_dim=8),
-                KVGroup(num_layers=1, num_kv_heads=1, head_dim=8),
-            ),
-        )
-    )
-    chunk = two_groups.geometry.chunk_bytes(0) + two_groups.geometry.chunk_bytes(1)
+    two_groups = TWO_GROUPS
+    chunk = TWO_GROUPS_CHUNK
     cfg = TieredKVConfig(
         cpu=CpuTierConfig(capacity_bytes=chunk * 4), nvme=NvmeTierConfig(root="/unused", capacity_bytes=chunk * 8)
     )
@@ -159,18 +162,8 @@ async def test_idle_tenants_give_their_shares_back_past_the_bound() -> None:
 
 
 async def test_a_rejected_multi_group_store_changes_nothing_in_any_group() -> None:
-    two_groups = make_namespace(
-        geometry=KVGeometry(
-            dtype="float16",
-            block_size=4,
-            chunk_size=16,
-            groups=(
-                KVGroup(num_layers=1, num_kv_heads=1, head_dim=8),
-                KVGroup(num_layers=1, num_kv_heads=1, head_dim=8),
-            ),
-        )
-    )
-    chunk = two_groups.geometry.chunk_bytes(0) + two_groups.geometry.chunk_bytes(1)
+    two_groups = TWO_GROUPS
+    chunk = TWO_GROUPS_CHUNK
     tiers = NullTiers()
     async with TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=chunk * 2)), tiers=tiers) as kv:
         await kv.register(two_groups, [gpu_tensors()[0], gpu_tensors()[0]])
