@@ -24,7 +24,6 @@ from tiered_kv.errors import TierIOError
 from tiered_kv.null import NullTier, NullTiers
 from tiered_kv.stats import KVEventKind
 
-
 #: A model with two full-attention KV groups of one layer each.
 TWO_GROUPS = make_namespace(
     geometry=KVGeometry(
