@@ -6,9 +6,9 @@ filter registers in ``tiered_kv.admission`` (``seen_k``). Each passes the shared
 contract suite in :mod:`tiered_kv.testing`.
 """
 
-from policies.admission import SeenK
-from policies.arc import ARC
-from policies.lru import LRU
-from policies.s3fifo import S3FIFO
+from tiered_kv.policies.admission import SeenK
+from tiered_kv.policies.arc import ARC
+from tiered_kv.policies.lru import LRU
+from tiered_kv.policies.s3fifo import S3FIFO
 
 __all__ = ["ARC", "LRU", "S3FIFO", "SeenK"]

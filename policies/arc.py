@@ -21,8 +21,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from policies._checks import check_capacity, check_count, duplicate, missing
-from policies.ghost import GhostQueue
+from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
+from tiered_kv.policies.ghost import GhostQueue
+
 from tiered_kv.keys import ChunkKey
 
 

@@ -7,7 +7,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from policies._checks import check_capacity, check_count, duplicate, missing
+from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
+
 from tiered_kv.keys import ChunkKey
 
 

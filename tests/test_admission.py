@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from tiered_kv.policies import SeenK
 
-from policies import SeenK
 from tiered_kv.errors import PolicyError
 from tiered_kv.interfaces import AdmissionFilter
 from tiered_kv.policy_factory import make_admission_filter

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from policies.ghost import GhostQueue
+from tiered_kv.policies.ghost import GhostQueue
+
 from tiered_kv.testing import chunk_key
 
 

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 from conftest import make_namespace
+from tiered_kv.tiers.nvme import NvmeTier
+from tiered_kv.tiers.nvme_format import HEADER_BYTES, Manifest, decode_manifest, encode_manifest
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
 from tiered_kv.cli import main
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.registry import TIERS
-from tiers.nvme import NvmeTier
-from tiers.nvme_format import HEADER_BYTES, Manifest, decode_manifest, encode_manifest
 
 SLOT = 3 * 4096
 SLOTS = 6

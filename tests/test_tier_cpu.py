@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiered_kv.tiers._driver import PAGE
+from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.testing import TierDriverContract
-from tiers._driver import PAGE
-from tiers.pinned_cpu import PinnedCpuTier
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

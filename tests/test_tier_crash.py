@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_namespace
+from tiered_kv.tiers.nvme import NvmeTier
 
 from tiered_kv.interfaces import TransferOp
-from tiers.nvme import NvmeTier
 
 SLOT = 64 * 1024
 SLOTS = 12
@@ -83,7 +83,7 @@ async def opened(log_path: Path, seed: int) -> None:
 
 async def kill_and_reopen(tmp_path: Path, kills: int) -> None:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["tiers.nvme", __name__])
+    context.set_forkserver_preload(["tiered_kv.tiers.nvme", __name__])
     root, log_path = tmp_path / "store", tmp_path / "writes.log"
     rng = random.Random(20261130)
     checked = 0

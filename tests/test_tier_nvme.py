@@ -14,12 +14,12 @@ import pytest
 import torch
 from conftest import make_namespace
 from structlog.testing import capture_logs
+from tiered_kv.tiers.nvme import NvmeTier
+from tiered_kv.tiers.nvme_format import HEADER_BYTES, decode_namespace, encode_namespace
 
 from tiered_kv.errors import CorruptChunk, CorruptStore, TierFullError, TierIOError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.namespace import Namespace
-from tiers.nvme import NvmeTier
-from tiers.nvme_format import HEADER_BYTES, decode_namespace, encode_namespace
 
 SLOT = 3 * 4096
 SLOTS = 6

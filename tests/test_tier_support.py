@@ -8,10 +8,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-from tiered_kv.errors import CorruptChunk
-from tiers._driver import in_threads, settle, split
-from tiers.nvme_format import (
+from tiered_kv.tiers._driver import in_threads, settle, split
+from tiered_kv.tiers.nvme_format import (
     MAX_KEY_BYTES,
     Manifest,
     decode_manifest,
@@ -20,6 +18,8 @@ from tiers.nvme_format import (
     payload_checksum,
     read_header,
 )
+
+from tiered_kv.errors import CorruptChunk
 
 FINGERPRINT = bytes(range(32))
 

@@ -3,7 +3,7 @@
 Under ``<root>/<namespace.dir_name>/`` (directory 0700, files 0600) ``namespace.json``
 records the namespace (written by the first open, checked by every later one), and each
 KV group ``g`` has ``g<g>.slots`` (``num_slots`` slots, each a 4 KiB header then the
-payload padded to 4 KiB, see :mod:`tiers.nvme_format`), ``g<g>.manifest`` (which slot
+payload padded to 4 KiB, see :mod:`tiered_kv.tiers.nvme_format`), ``g<g>.manifest`` (which slot
 holds which key) and ``g<g>.lock`` (one process per store). :meth:`NvmeTier.inspect`
 reports on such directories without opening a store.
 
@@ -49,15 +49,7 @@ from pathlib import Path
 
 import msgspec
 import torch
-
-from tiered_kv.driver_base import DriverBase
-from tiered_kv.errors import CorruptChunk, CorruptStore, TierError, TierIOError
-from tiered_kv.inspection import Inspection
-from tiered_kv.interfaces import TransferOp
-from tiered_kv.keys import ChunkKey
-from tiered_kv.log import get_logger
-from tiered_kv.namespace import Namespace
-from tiers._driver import (
+from tiered_kv.tiers._driver import (
     PAGE,
     check_buffer,
     check_slots,
@@ -67,7 +59,7 @@ from tiers._driver import (
     tier_error,
     worker_pool,
 )
-from tiers.nvme_format import (
+from tiered_kv.tiers.nvme_format import (
     HEADER_BYTES,
     MAX_KEY_BYTES,
     NAMESPACE_FILE,
@@ -84,7 +76,15 @@ from tiers.nvme_format import (
     slot_stride,
     verify_slot,
 )
-from tiers.nvme_inspect import inspect_root
+from tiered_kv.tiers.nvme_inspect import inspect_root
+
+from tiered_kv.driver_base import DriverBase
+from tiered_kv.errors import CorruptChunk, CorruptStore, TierError, TierIOError
+from tiered_kv.inspection import Inspection
+from tiered_kv.interfaces import TransferOp
+from tiered_kv.keys import ChunkKey
+from tiered_kv.log import get_logger
+from tiered_kv.namespace import Namespace
 
 _ZEROS = bytes(HEADER_BYTES)
 

@@ -1,4 +1,4 @@
-"""Read-only inspection of nvme store directories, behind :meth:`tiers.nvme.NvmeTier.inspect`.
+"""Read-only inspection of nvme store directories, behind :meth:`tiered_kv.tiers.nvme.NvmeTier.inspect`.
 
 It reports what reopening each store would find, without opening one: the namespace
 record, and per KV group the slots file and the manifest; with ``verify``, each chunk
@@ -13,13 +13,8 @@ import os
 from pathlib import Path
 
 import msgspec
-
-from tiered_kv.errors import CorruptChunk
-from tiered_kv.inspection import CorruptSlot, GroupReport, Inspection, StoreReport
-from tiered_kv.layout import KVGroup
-from tiered_kv.namespace import Namespace
-from tiers._driver import tier_error
-from tiers.nvme_format import (
+from tiered_kv.tiers._driver import tier_error
+from tiered_kv.tiers.nvme_format import (
     HEADER_BYTES,
     NAMESPACE_FILE,
     SCAN_BYTES,
@@ -31,6 +26,11 @@ from tiers.nvme_format import (
     store_groups,
     verify_slot,
 )
+
+from tiered_kv.errors import CorruptChunk
+from tiered_kv.inspection import CorruptSlot, GroupReport, Inspection, StoreReport
+from tiered_kv.layout import KVGroup
+from tiered_kv.namespace import Namespace
 
 
 def inspect_root(root: Path, *, verify: bool) -> Inspection:

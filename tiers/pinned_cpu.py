@@ -22,11 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-from tiered_kv.driver_base import DriverBase
-from tiered_kv.interfaces import TransferOp
-from tiered_kv.log import get_logger
-from tiers._driver import (
+from tiered_kv.tiers._driver import (
     COPY_WORKERS,
     PAGE,
     check_buffer,
@@ -38,6 +34,10 @@ from tiers._driver import (
     tier_error,
     worker_pool,
 )
+
+from tiered_kv.driver_base import DriverBase
+from tiered_kv.interfaces import TransferOp
+from tiered_kv.log import get_logger
 
 log = get_logger("cpu")
 
