@@ -229,7 +229,7 @@ async def test_nvme_read_failure_keeps_the_good_prefix() -> None:
     harness.nvme.fail_keys.add(keys[2])
     assert await harness.load(keys) == 2 * NS.geometry.chunk_size
     stats = harness.kv.statistics()
-    assert stats.hits["nvme"] == 2 and stats.loads_rejected == {"transfer": 1}
+    assert stats.loaded_chunks["nvme"] == 2 and stats.loads_rejected == {"transfer": 1}
     await harness.kv.close()
     harness.kv.check_invariants()
 
@@ -509,3 +509,29 @@ async def test_statistics_include_every_drivers_own_counters(h: Harness) -> None
     drivers = {d.name: d for d in h.kv.statistics().drivers}
     assert set(drivers) == {"gpu", "cpu", "nvme"}
     assert drivers["gpu"].reads == 3 and drivers["nvme"].writes == 3
+
+
+async def test_lookups_count_chunk_positions_by_the_tier_that_serves_them() -> None:
+    harness = await open_harness(config(cpu_chunks=4, nvme_chunks=16))
+    first = keys_for(4)
+    await harness.store(first)  # fills cpu; written through to nvme
+    await harness.kv.finish_request("r")
+    await harness.kv.drain()
+    await harness.store(keys_for(2, start=90_000), offset=100)  # LRU: pushes first[0:2] out of cpu
+    await harness.kv.finish_request("r")
+    await harness.kv.drain()
+    assert harness.lookup([*first, *keys_for(2, start=50_000)]) == 4
+    assert harness.kv.statistics().lookups == {"hit_cpu": 2, "hit_nvme": 2, "miss": 2}
+    await harness.kv.close()
+
+
+async def test_load_latency_histogram_counts_every_timed_load(h: Harness) -> None:
+    keys = keys_for(2)
+    await h.store(keys)
+    await h.kv.finish_request("r")
+    for _ in range(3):
+        assert await h.load(keys) == 2 * NS.geometry.chunk_size
+    latency = h.kv.statistics().load_latency
+    assert latency.count == sum(latency.counts) == 3
+    assert len(latency.counts) == len(latency.bounds_ms) + 1
+    assert latency.sum_ms > 0

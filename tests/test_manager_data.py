@@ -81,7 +81,8 @@ async def test_chunk_round_trips_bit_exact_through_every_tier(tmp_path: Path) ->
         assert loaded == 64
         assert same_blocks(cache, range(16), range(40, 56))
         stats = kv.statistics()
-        assert stats.hits.get("nvme", 0) == 4 and stats.bytes_moved["nvme->cpu"] == 4 * NS.geometry.chunk_bytes()
+        assert stats.loaded_chunks.get("nvme", 0) == 4
+        assert stats.bytes_moved["nvme->cpu"] == 4 * NS.geometry.chunk_bytes()
 
 
 async def test_unaligned_load_copies_part_of_the_last_chunk(tmp_path: Path) -> None:
@@ -257,7 +258,7 @@ async def test_write_policies_put_bytes_on_nvme_that_load_back(tmp_path: Path, w
             layer[50:58] = 0
         assert await kv.load(NS, request_id="c", keys=[keys], block_ids=[list(range(50, 58))], num_tokens=32) == 32
         assert same_blocks(cache, range(8), range(50, 58))
-        assert kv.statistics().hits.get("nvme", 0) == 2
+        assert kv.statistics().loaded_chunks.get("nvme", 0) == 2
 
 
 def test_the_debugging_example_logs_the_rejected_span() -> None:
@@ -302,7 +303,7 @@ async def test_concurrent_loads_from_nvme_through_a_small_cpu_tier_all_complete(
                 kv.check_invariants()
 
         await asyncio.gather(lane(), lane())
-        assert kv.statistics().hits.get("nvme", 0) >= 28
+        assert kv.statistics().loaded_chunks.get("nvme", 0) >= 28
 
 
 async def test_tensors_that_do_not_match_the_geometry_are_refused_at_registration(tmp_path: Path) -> None:

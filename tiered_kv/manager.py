@@ -25,6 +25,7 @@ the indexes back before re-raising, so they are consistent at every ``await``.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import dataclasses
 import functools
@@ -57,7 +58,7 @@ from tiered_kv.policy_factory import make_admission_filter
 from tiered_kv.registry import TIERS
 from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler
 from tiered_kv.spans import cdiv, span_chunks, validate_window_span, window_span
-from tiered_kv.stats import KVEvent, KVEventKind, Statistics, TierUsage
+from tiered_kv.stats import LOAD_LATENCY_BOUNDS_MS, KVEvent, KVEventKind, LatencyHistogram, Statistics, TierUsage
 
 log = get_logger("manager")
 
@@ -202,8 +203,10 @@ class TieredKV:
         self._jobs: dict[str, set[_StoreJob]] = collections.defaultdict(set)
         self._events: collections.deque[KVEvent] = collections.deque(maxlen=max_events)
         self._events_dropped = 0
-        self._hits: collections.Counter[str] = collections.Counter()
-        self._misses = 0
+        self._lookups: collections.Counter[str] = collections.Counter()
+        self._loaded: collections.Counter[str] = collections.Counter()
+        self._load_latency = [0] * (len(LOAD_LATENCY_BOUNDS_MS) + 1)
+        self._load_ms = 0.0
         self._bytes: collections.Counter[str] = collections.Counter()
         self._rejected: collections.Counter[str] = collections.Counter()
         self._stores_rejected = 0
@@ -418,20 +421,30 @@ class TieredKV:
         pools = self._pools_of(namespace)
         if len(keys) != len(pools):
             raise TieredKVError(f"{len(keys)} key lists for {len(pools)} KV groups")
-        n = min(len(group_keys) for group_keys in keys)
+        asked = n = min(len(group_keys) for group_keys in keys)
         windowed = []
+        #: Positions some full-attention group holds only in nvme.
+        from_nvme: set[int] = set()
         for pool, group_keys in zip(pools, keys, strict=True):
             if pool.kind is AttentionKind.SLIDING_WINDOW:
                 windowed.append((pool, group_keys))
                 continue
-            ready = pool.ready_anywhere
+            in_cpu = pool.cpu_index.is_ready
+            in_nvme = pool.nvme_index.is_ready if pool.nvme_index is not None else None
             for i in range(n):
-                if not ready(group_keys[i]):
+                key = group_keys[i]
+                if in_cpu(key):
+                    continue
+                if in_nvme is None or not in_nvme(key):
                     n = i
                     break
+                from_nvme.add(i)
         while n and not all(self._window_ready(pool, group_keys, n) for pool, group_keys in windowed):
             n -= 1
-        self._misses += min(len(group_keys) for group_keys in keys) - n
+        nvme_hits = sum(1 for i in from_nvme if i < n)
+        self._lookups["hit_cpu"] += n - nvme_hits
+        self._lookups["hit_nvme"] += nvme_hits
+        self._lookups["miss"] += asked - n
         log.debug("lookup.done", namespace=pools[0].fingerprint, n_chunks=n, asked=len(keys[0]))
         return n
 
@@ -499,6 +512,8 @@ class TieredKV:
             if loaded < num_tokens:
                 self._rejected["transfer"] += 1
             ms = (self._clock() - started) * 1e3
+            self._load_latency[bisect.bisect_left(LOAD_LATENCY_BOUNDS_MS, ms)] += 1
+            self._load_ms += ms
             log.debug(
                 "load.done",
                 namespace=pools[0].fingerprint,
@@ -647,7 +662,7 @@ class TieredKV:
             assert entry is not None
             slots.append(entry.slot)
             tier = "nvme" if task is not None else "cpu"
-            self._hits[tier] += 1
+            self._loaded[tier] += 1
             sources[tier] += 1
             hits = pool.cpu_index.hit(key)
             if pool.policy.write_policy is WritePolicy.SELECTIVE and hits >= pool.policy.selective_hits:
@@ -1029,8 +1044,14 @@ class TieredKV:
             )
         return Statistics(
             tiers=tiers,
-            hits=dict(self._hits),
-            misses=self._misses,
+            lookups=dict(self._lookups),
+            loaded_chunks=dict(self._loaded),
+            load_latency=LatencyHistogram(
+                bounds_ms=LOAD_LATENCY_BOUNDS_MS,
+                counts=list(self._load_latency),
+                sum_ms=self._load_ms,
+                count=sum(self._load_latency),
+            ),
             bytes_moved=dict(self._bytes),
             queue_depths={
                 "stores": self._store_budget.used,

@@ -18,16 +18,35 @@ class TierUsage(msgspec.Struct, frozen=True, kw_only=True):
     used_bytes: int
 
 
+#: Upper bounds (ms) of the load-latency histogram's buckets; one more bucket counts the rest.
+LOAD_LATENCY_BOUNDS_MS: tuple[float, ...] = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
+
+
+class LatencyHistogram(msgspec.Struct, frozen=True, kw_only=True):
+    """Fixed buckets, so its memory is bounded however many loads it counts."""
+
+    #: Upper bound of each bucket in ms; ``counts`` has one more entry, for the rest.
+    bounds_ms: tuple[float, ...]
+    #: Loads per bucket (not cumulative).
+    counts: list[int]
+    sum_ms: float
+    count: int
+
+
 class Statistics(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of one :class:`TieredKV`; every counter is cumulative since start."""
 
     tiers: list[TierUsage]
-    #: Chunks each tier held for loads (staged in cpu, promoted from nvme), counted per
-    #: KV group, also for a load that then returned fewer tokens (see ``loads_rejected``).
-    hits: dict[str, int]
-    #: Chunk positions lookups asked for beyond the ready prefix they found; every lookup
-    #: call counts, so an engine that asks twice for a request counts its misses twice.
-    misses: int
+    #: Chunk positions that lookups asked for, by result: ``hit_cpu`` (every KV group
+    #: holds the chunk in cpu), ``hit_nvme`` (some group needs it from nvme), ``miss``
+    #: (beyond the ready prefix). The hit rate is ``hit_* / sum``. Every lookup call
+    #: counts, so an engine that asks twice for a request counts its chunks twice.
+    lookups: dict[str, int]
+    #: Chunks loads staged by source tier (``cpu``, or ``nvme`` for a promotion), counted
+    #: per KV group, also for a load that then returned fewer tokens (see ``loads_rejected``).
+    loaded_chunks: dict[str, int]
+    #: Time of each ``load`` call that reached its copies (rejected loads are not timed).
+    load_latency: LatencyHistogram
     #: Bytes moved per direction, e.g. ``"gpu->cpu"``.
     bytes_moved: dict[str, int]
     #: ``stores``: chunks submitted and not yet read from the GPU; ``write_behind``: chunks

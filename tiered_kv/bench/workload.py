@@ -179,9 +179,8 @@ async def _replay(
         nvme_chunks=nvme_chunks,
         chunk_bytes=chunk_bytes,
         chunks_looked_up=lookups,
-        # Hits are counted per KV group; a token chunk is a hit in every group it loaded in.
-        hit_rate_cpu=stats.hits.get("cpu", 0) / len(groups) / lookups if lookups else 0.0,
-        hit_rate_nvme=stats.hits.get("nvme", 0) / len(groups) / lookups if lookups else 0.0,
+        hit_rate_cpu=stats.lookups.get("hit_cpu", 0) / lookups if lookups else 0.0,
+        hit_rate_nvme=stats.lookups.get("hit_nvme", 0) / lookups if lookups else 0.0,
         tokens_from_cache=tokens_cached,
         prompt_tokens=prompt_tokens,
         load_s=load_s,
