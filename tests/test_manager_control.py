@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import torch
 from conftest import make_namespace, mla_geometry
@@ -535,3 +536,15 @@ async def test_load_latency_histogram_counts_every_timed_load(h: Harness) -> Non
     assert latency.count == sum(latency.counts) == 3
     assert len(latency.counts) == len(latency.bounds_ms) + 1
     assert latency.sum_ms > 0
+
+
+async def test_statistics_give_each_tenants_share_of_each_tier(h: Harness) -> None:
+    tenant = msgspec.structs.replace(NS, lora_id="adapter-a")
+    await h.store(keys_for(2))
+    await h.kv.store(tenant, request_id="t", keys=[keys_for(3, ns=tenant)], block_ids=[blocks_for(3, 50)])
+    await h.kv.finish_request("r")
+    await h.kv.finish_request("t")
+    shares = {(s.namespace, s.tier): s.used_chunks for s in h.kv.statistics().namespaces}
+    assert shares[(NS.fingerprint_hex, "cpu")] == 2
+    assert shares[(tenant.fingerprint_hex, "cpu")] == 3
+    assert {s.model_id for s in h.kv.statistics().namespaces} == {NS.model_id}

@@ -58,7 +58,15 @@ from tiered_kv.policy_factory import make_admission_filter
 from tiered_kv.registry import TIERS
 from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler
 from tiered_kv.spans import cdiv, span_chunks, validate_window_span, window_span
-from tiered_kv.stats import LOAD_LATENCY_BOUNDS_MS, KVEvent, KVEventKind, LatencyHistogram, Statistics, TierUsage
+from tiered_kv.stats import (
+    LOAD_LATENCY_BOUNDS_MS,
+    KVEvent,
+    KVEventKind,
+    LatencyHistogram,
+    NamespaceUsage,
+    Statistics,
+    TierUsage,
+)
 
 log = get_logger("manager")
 
@@ -115,6 +123,7 @@ class _Pool:
         nvme_index: TierIndex | None,
     ) -> None:
         self.fingerprint = namespace.fingerprint_hex
+        self.model_id = namespace.model_id
         self.group = group
         geometry = namespace.geometry
         self.kind = geometry.groups[group].kind
@@ -1042,8 +1051,23 @@ class TieredKV:
                     used_bytes=sum(index.used * size for index, size in present),
                 )
             )
+        shares = [
+            NamespaceUsage(
+                namespace=owner,
+                model_id=pool.model_id,
+                tier=index.tier,
+                group=pool.group,
+                used_chunks=index.partition.usage(owner),
+                quota_chunks=index.partition.quota(owner),
+            )
+            for pool in self._pools.values()
+            for index in (pool.cpu_index, pool.nvme_index)
+            if index is not None
+            for owner in index.partition.namespaces()
+        ]
         return Statistics(
             tiers=tiers,
+            namespaces=shares,
             lookups=dict(self._lookups),
             loaded_chunks=dict(self._loaded),
             load_latency=LatencyHistogram(

@@ -18,6 +18,19 @@ class TierUsage(msgspec.Struct, frozen=True, kw_only=True):
     used_bytes: int
 
 
+class NamespaceUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """One namespace's share of one tier of one KV group (a model, or one of its tenants)."""
+
+    #: The namespace fingerprint (hex); a model's tenants (LoRA, cache salt) have their own.
+    namespace: str
+    model_id: str
+    tier: str
+    group: int
+    used_chunks: int
+    #: Chunks of the tier reserved for this namespace (0: it only shares the rest).
+    quota_chunks: int
+
+
 #: Upper bounds (ms) of the load-latency histogram's buckets; one more bucket counts the rest.
 LOAD_LATENCY_BOUNDS_MS: tuple[float, ...] = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
 
@@ -37,6 +50,8 @@ class Statistics(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of one :class:`TieredKV`; every counter is cumulative since start."""
 
     tiers: list[TierUsage]
+    #: Every namespace's share of every tier, per KV group.
+    namespaces: list[NamespaceUsage]
     #: Chunk positions that lookups asked for, by result: ``hit_cpu`` (every KV group
     #: holds the chunk in cpu), ``hit_nvme`` (some group needs it from nvme), ``miss``
     #: (beyond the ready prefix). The hit rate is ``hit_* / sum``. Every lookup call
