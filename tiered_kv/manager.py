@@ -1081,6 +1081,8 @@ class TieredKV:
                 "stores": self._store_budget.used,
                 "write_behind": self._write_behind_budget.used,
                 "loads": self._loads_in_flight,
+                "copies_waiting": self._gate.waiting,
+                "nvme_io_waiting": self._disk_gate.waiting,
                 "background_tasks": self._scheduler.background,
             },
             loads_rejected=dict(self._rejected),
