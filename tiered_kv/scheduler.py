@@ -214,9 +214,15 @@ class Scheduler:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
+    def cancel(self) -> None:
+        """Refuse new tasks and cancel every background task, before any of them runs again."""
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+
     async def close(self) -> None:
         """Cancel every background task and wait for each to finish unwinding."""
-        self._closing = True
+        self.cancel()
         while self._tasks:
             tasks = list(self._tasks)
             for task in tasks:
