@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
-import torch
 
 from tiered_kv.keys import ChunkKey
+
+if TYPE_CHECKING:  # annotations only: the core's plain modules load without torch
+    import torch
 
 
 class TransferOp(msgspec.Struct, frozen=True, kw_only=True, gc=False):
