@@ -154,13 +154,29 @@ def test_a_host_that_does_not_cache_loggers_has_every_event_follow_its_configura
     assert [e["event"] for e in second.entries] == ["pool.closed"]
 
 
-def test_a_host_that_resets_structlog_gets_the_stdlib_route_back(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_host_that_resets_structlog_gets_the_stdlib_route_back(caplog: pytest.LogCaptureFixture, cache: bool) -> None:
     log = get_logger("gpu")
     capture = LogCapture()
-    _configure(capture, cache=True)
+    _configure(capture, cache=cache)
     log.warning("copy.slow")
     structlog.reset_defaults()
+    if cache:
+        reset_loggers()  # bound once: they follow a new configuration only when told to
     with caplog.at_level(logging.WARNING, logger=ROOT):
         log.warning("copy.slow", ms=3)
     assert [e["event"] for e in capture.entries] == ["copy.slow"]
     assert [r.getMessage() for r in caplog.records] == ["copy.slow ms=3"]
+
+
+def test_a_method_taken_before_structlog_was_configured_binds_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = get_logger("manager")
+    debug = log.debug  # as `emit = log.debug` in a hot loop would
+    made: list[object] = []
+    real = structlog.get_logger
+    monkeypatch.setattr(structlog, "get_logger", lambda *a, **k: made.append(a) or real(*a, **k))
+    capture = LogCapture()
+    structlog.configure(processors=[capture], cache_logger_on_first_use=True)
+    for i in range(3):
+        debug("lookup.done", n_chunks=i)
+    assert [e["n_chunks"] for e in capture.entries] == [0, 1, 2] and len(made) == 1

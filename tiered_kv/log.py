@@ -50,6 +50,10 @@ class StdlibEvent:
         return f"{event} {rest}" if rest else str(event)
 
 
+#: The levels a library logger emits at.
+_LEVELS = ("debug", "info", "warning", "error")
+
+
 def _level(level: int, name: str) -> Callable[..., None]:
     def emit(self: EventLogger, event: str, /, **fields: Any) -> None:
         if is_configured():
@@ -63,16 +67,20 @@ def _level(level: int, name: str) -> Callable[..., None]:
 
 
 class EventLogger:
-    """A component's events, routed to the host's structlog pipeline or the stdlib logger."""
+    """A component's events, routed to the host's structlog pipeline or the stdlib logger.
 
-    __slots__ = ("__weakref__", "_stdlib", "_target", "component")
+    Bound once, as structlog's own loggers are when the host sets
+    ``cache_logger_on_first_use``: the logger's level methods are then replaced on the
+    instance by those of the host's bound logger, so an event costs what it costs the
+    host's own loggers. Without caching, events go through structlog's lazy proxy, which
+    follows every reconfiguration.
+    """
 
     def __init__(self, component: str) -> None:
         self.component = component
         self._stdlib = logging.getLogger(f"{ROOT}.{component}")
-        #: What structlog events go to: a logger bound once when the host caches loggers,
-        #: else structlog's lazy proxy (which follows every reconfiguration). None: not yet
-        #: decided under the current configuration.
+        #: Where structlog events go once structlog is configured: the host's logger bound
+        #: once (the host caches loggers), else structlog's lazy proxy.
         self._target: Any = None
 
     debug = _level(logging.DEBUG, "debug")
@@ -82,7 +90,11 @@ class EventLogger:
 
     def _bind(self) -> Any:
         proxy = structlog.get_logger(self._stdlib.name, component=self.component)
-        self._target = proxy.bind() if structlog.get_config()["cache_logger_on_first_use"] else proxy
+        if not structlog.get_config()["cache_logger_on_first_use"]:
+            self._target = proxy
+            return proxy
+        self._target = proxy.bind()
+        vars(self).update({name: getattr(self._target, name) for name in _LEVELS})
         return self._target
 
     def _to_stdlib(self, level: int, event: str, fields: dict[str, Any]) -> None:
@@ -93,6 +105,8 @@ class EventLogger:
         self._stdlib.log(level, StdlibEvent(record), extra={"tiered_kv": record}, stacklevel=3)
 
     def forget_binding(self) -> None:
+        for name in _LEVELS:
+            vars(self).pop(name, None)
         self._target = None
 
 
