@@ -285,7 +285,11 @@ SMALL_HYBRID += ["--window", "1024", "--window-layers", "2"]
 
 
 @pytest.mark.parametrize(
-    "model", [pytest.param(SMALL_HYBRID, id="hybrid"), pytest.param(["--model", "deepseek-mla"], id="mla")]
+    "model",
+    [
+        pytest.param(SMALL_HYBRID, id="hybrid"),
+        pytest.param(["--model", "deepseek-mla"], id="mla", marks=pytest.mark.slow),  # 18 MB chunks
+    ],
 )
 def test_workload_replays_hybrid_and_mla_models(tmp_path: Path, model: list[str]) -> None:
     out = tmp_path / "bench.json"
