@@ -117,6 +117,10 @@ def test_python_m_tiered_kv_runs_the_command_and_says_its_version() -> None:
             "--window and --window-layers go together",
         ),
         (["bench", "workload", "--block-size", "48"], "chunk_size 256 is not a multiple of block_size 48"),
+        (  # before any section runs
+            ["bench", "policies", "keys", "--model", "custom", "--layers", "4", "--policy-trace-scale", "0.01"],
+            "--model custom needs --kv-heads, --head-dim",
+        ),
         (["inspect"], "the following arguments are required: DIR"),
         (["config", "check"], "the following arguments are required: FILE"),
     ],

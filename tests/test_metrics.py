@@ -218,6 +218,6 @@ async def test_a_scrape_of_a_stalled_loop_fails_within_its_timeout() -> None:
 
 async def test_register_metrics_outside_a_running_loop_is_refused() -> None:
     kv = await open_kv([NS])
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="call it from that loop"):
         await asyncio.to_thread(register_metrics, kv, CollectorRegistry())
     await kv.close()

@@ -120,7 +120,14 @@ def register_metrics(
 
     Returns the collector (``registry.unregister(collector)`` removes it again).
     """
-    collector = TieredKVCollector(kv, asyncio.get_running_loop(), max_namespaces=max_namespaces, timeout_s=timeout_s)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError(
+            "register_metrics(kv) reads kv's statistics on kv's event loop: call it from that loop "
+            "(or construct TieredKVCollector(kv, loop) and register it yourself)"
+        ) from None
+    collector = TieredKVCollector(kv, loop, max_namespaces=max_namespaces, timeout_s=timeout_s)
     registry.register(collector)
     return collector
 

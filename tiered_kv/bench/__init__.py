@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tiered_kv.bench.models import add_model_arguments
+from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.cli_errors import EXIT_FAILED, UsageError
 
@@ -118,6 +118,8 @@ def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]]
         for dest, (flag, default, readers) in scope.items():
             if getattr(args, dest) != default and not chosen & set(readers):
                 parser.error(f"{flag} is an option of {', '.join(readers)}, which this run does not include")
+        for name in chosen & set(presets):  # a model that cannot be built fails now, not after other sections
+            model_from_args(args, presets[name])
         return run_bench(args, all_sections)
 
     parser.set_defaults(handler=handler)
