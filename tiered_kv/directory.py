@@ -90,7 +90,8 @@ class TierIndex:
         self.tier = tier
         self._epoch = epoch if epoch is not None else LeaseEpoch()
         self._allocator = SlotAllocator(partition.capacity)
-        self._entries: dict[ChunkKey, Residency] = {}
+        #: key → residency; read it (hot paths do), never change it from outside.
+        self.entries: dict[ChunkKey, Residency] = {}
         self._partition = partition
         self._pinned = 0
 
@@ -113,20 +114,20 @@ class TierIndex:
         return self._pinned
 
     def get(self, key: ChunkKey) -> Residency | None:
-        return self._entries.get(key)
+        return self.entries.get(key)
 
     def owner(self, key: ChunkKey) -> str:
         """The namespace whose share ``key`` counts in."""
         return self._require(key).owner
 
     def is_ready(self, key: ChunkKey) -> bool:
-        entry = self._entries.get(key)
+        entry = self.entries.get(key)
         return entry is not None and entry.state is State.READY
 
     def ready_for(self, key: ChunkKey, namespace: str) -> bool:
         """Whether ``key`` is READY and belongs to ``namespace``: a tenant handed another
         tenant's keys gets a miss, never its bytes."""
-        entry = self._entries.get(key)
+        entry = self.entries.get(key)
         return entry is not None and entry.state is State.READY and entry.namespace == namespace
 
     def namespace(self, key: ChunkKey) -> str:
@@ -134,10 +135,10 @@ class TierIndex:
         return self._require(key).namespace
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self.entries
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
     # -- deciding ----------------------------------------------------------------------
     def reserve(self, keys: Iterable[ChunkKey], owner: str, namespace: str | None = None) -> Reservation | None:
@@ -147,7 +148,7 @@ class TierIndex:
         namespace = owner if namespace is None else namespace
         wanted = list(dict.fromkeys(keys))
         for key in wanted:
-            if key in self._entries:
+            if key in self.entries:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         victims = self._partition.make_room(owner, len(wanted), self._is_protected)
         if victims is None:
@@ -155,7 +156,7 @@ class TierIndex:
         evicted = []
         for victim_owner, victim_keys in victims.items():
             for victim in victim_keys:
-                entry = self._entries.pop(victim)
+                entry = self.entries.pop(victim)
                 self._allocator.release(entry.slot)
                 evicted.append(Victim(victim, entry.slot, victim_owner, entry.namespace))
         slots = self._allocator.allocate(len(wanted))
@@ -163,7 +164,7 @@ class TierIndex:
             raise TieredKVError(f"{self.tier}: allocator lost track of free slots")
         reserved = dict(zip(wanted, slots, strict=True))
         for key, slot in reserved.items():
-            self._entries[key] = Residency(slot, owner, namespace)
+            self.entries[key] = Residency(slot, owner, namespace)
             self._partition.insert(owner, key)
         return Reservation(reserved, evicted)
 
@@ -177,7 +178,7 @@ class TierIndex:
             self.restore(victim.key, victim.slot, victim.owner, victim.namespace)
 
     def _is_protected(self, key: ChunkKey) -> bool:
-        entry = self._entries.get(key)
+        entry = self.entries.get(key)
         return entry is None or entry.pins > 0 or entry.state is not State.READY or entry.lease == self._epoch.value
 
     # -- applying ----------------------------------------------------------------------
@@ -192,7 +193,7 @@ class TierIndex:
         entry = self._require(key)
         if entry.pins:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is pinned ({entry.pins})")
-        del self._entries[key]
+        del self.entries[key]
         self._partition.remove(entry.owner, key)
         self._allocator.release(entry.slot)
         return entry.slot
@@ -200,11 +201,11 @@ class TierIndex:
     def restore(self, key: ChunkKey, slot: int, owner: str, namespace: str | None = None) -> None:
         """Record a READY chunk of ``namespace`` (default: ``owner``) already held in
         ``slot`` (warm restart)."""
-        if key in self._entries:
+        if key in self.entries:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         self._allocator.claim(slot)
         entry = Residency(slot, owner, owner if namespace is None else namespace)
-        self._entries[key] = entry
+        self.entries[key] = entry
         entry.state = State.READY
         self._partition.insert(owner, key)
 
@@ -235,26 +236,26 @@ class TierIndex:
             self._pinned -= 1
 
     def _require(self, key: ChunkKey) -> Residency:
-        entry = self._entries.get(key)
+        entry = self.entries.get(key)
         if entry is None:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is not resident")
         return entry
 
     def check(self) -> None:
         """Raise if the index contradicts itself (used by tests after every step)."""
-        slots = [entry.slot for entry in self._entries.values()]
+        slots = [entry.slot for entry in self.entries.values()]
         if len(set(slots)) != len(slots):
             raise TieredKVError(f"{self.tier}: two chunks share a slot")
         if len(slots) != self._allocator.used:
             raise TieredKVError(f"{self.tier}: {len(slots)} chunks but {self._allocator.used} slots used")
-        if self._partition.used != len(self._entries):
+        if self._partition.used != len(self.entries):
             raise TieredKVError(
-                f"{self.tier}: {len(self._entries)} chunks but the partition counts {self._partition.used}"
+                f"{self.tier}: {len(self.entries)} chunks but the partition counts {self._partition.used}"
             )
-        for key, entry in self._entries.items():
+        for key, entry in self.entries.items():
             if not self._partition.contains(entry.owner, key):
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is missing from its owner's policy")
-        if any(entry.pins < 0 for entry in self._entries.values()):
+        if any(entry.pins < 0 for entry in self.entries.values()):
             raise TieredKVError(f"{self.tier}: negative pin count")
-        if self._pinned != sum(1 for entry in self._entries.values() if entry.pins):
+        if self._pinned != sum(1 for entry in self.entries.values() if entry.pins):
             raise TieredKVError(f"{self.tier}: pinned-chunk count is off")
