@@ -13,7 +13,7 @@ from tiered_kv.cli import main
 
 def test_bench_tiers_reports_each_path_against_its_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
-    args = ["bench", "tiers", "--chunk-mib", "1", "--tier-mem-mib", "4", "--tier-disk-mib", "8"]
+    args = ["bench", "tiers", "--model", "llama-1b", "--chunk-mib", "1", "--tier-mem-mib", "4", "--tier-disk-mib", "8"]
     code = main([*args, "--tier-repeats", "1", "--io-depth", "2", "--nvme-dir", str(tmp_path), "--json", str(out)])
     assert code == 0
     table = capsys.readouterr().out

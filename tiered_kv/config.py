@@ -7,11 +7,13 @@ default.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import re
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiofiles
 import msgspec
 
 from tiered_kv.checks import is_int_at_least
@@ -144,14 +146,41 @@ def _field_path(exc: msgspec.ValidationError) -> tuple[str, str | None]:
 
 def load_config(path: str | Path, type: type[T] = TieredKVConfig) -> T:  # type: ignore[assignment]
     """Load ``type`` from a ``.toml`` or ``.json`` file, naming the bad field on error."""
-    source = str(path)
-    suffix = Path(path).suffix.lower()
-    if suffix not in (".toml", ".json"):
-        raise ConfigError(f"unsupported config format {suffix!r}; use .toml or .json", source=source)
+    suffix = _suffix(path)
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", source=source) from exc
+        raise ConfigError(f"cannot read: {exc.strerror}", source=str(path)) from exc
+    config = _decode(data, suffix, str(path), type)
+    if isinstance(config, TieredKVConfig):
+        _check_plugin_names(config, str(path))
+    return config
+
+
+async def load_config_async(path: str | Path, type: type[T] = TieredKVConfig) -> T:  # type: ignore[assignment]
+    """:func:`load_config` for a server's event loop: nothing that reads files runs on it, so
+    a slow or network filesystem never holds the loop."""
+    suffix = _suffix(path)
+    try:
+        async with aiofiles.open(path, "rb") as file:
+            data = await file.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", source=str(path)) from exc
+    config = _decode(data, suffix, str(path), type)
+    if isinstance(config, TieredKVConfig):
+        # The registries read the installed distributions' entry points: files too.
+        await asyncio.to_thread(_check_plugin_names, config, str(path))
+    return config
+
+
+def _suffix(path: str | Path) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise ConfigError(f"unsupported config format {suffix!r}; use .toml or .json", source=str(path))
+    return suffix
+
+
+def _decode(data: bytes, suffix: str, source: str, type: type[T]) -> T:
     decode = msgspec.toml.decode if suffix == ".toml" else msgspec.json.decode
     try:
         config = decode(data, type=type)
@@ -160,8 +189,6 @@ def load_config(path: str | Path, type: type[T] = TieredKVConfig) -> T:  # type:
         raise ConfigError(message, field=field, source=source) from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"not valid {suffix[1:].upper()}: {exc}", source=source) from exc
-    if isinstance(config, TieredKVConfig):
-        _check_plugin_names(config, source)
     return config
 
 

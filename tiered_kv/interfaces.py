@@ -21,11 +21,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
-import torch
 
 from tiered_kv.keys import ChunkKey
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the core's plain modules load without torch
+    import torch
+
     from tiered_kv.config import NvmeTierConfig
     from tiered_kv.namespace import Namespace
 
