@@ -192,11 +192,11 @@ async def test_chunks_in_consecutive_slots_move_as_one_stretch_and_stay_exact(
     runs = [(0, 1, 2), (0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (16, 17, 18, 19), (12, 13, 14, 15)]
     ops = [TransferOp(buffer=slab.view(j), blocks=blocks) for j, blocks in zip([0, 1, 2, 3, 4], runs[1:], strict=True)]
     (stretch,) = _stretches(ops, tier.chunk_bytes)
-    assert stretch.count == 5 and stretch.stride == slab.slot_stride
+    assert stretch.size == 5 and stretch.stride == slab.slot_stride
     assert len(_runs(stretch.blocks, 0)) == 3  # blocks 0..11, then 16..19, then 12..15
     ((_, m, stride, _),) = _stretches([ops[0], ops[2]], tier.chunk_bytes)  # slots 0 and 2: still equal steps
     assert (m, stride) == (2, 2 * slab.slot_stride)
-    assert [s.count for s in _stretches([ops[0], TransferOp(buffer=slab.view(1), blocks=runs[0])], 0)] == [1, 1]
+    assert [s.size for s in _stretches([ops[0], TransferOp(buffer=slab.view(1), blocks=runs[0])], 0)] == [1, 1]
     await tier.read(ops)
     for op in ops:
         assert torch.equal(op.buffer, reference_chunk(tensors, block_dim, op.blocks))

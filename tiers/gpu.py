@@ -120,7 +120,8 @@ class _Stretch(NamedTuple):
     or any single op): one strided host view per KV tensor group serves them all."""
 
     first: TransferOp
-    count: int
+    #: Ops in the stretch.
+    size: int
     #: Bytes from one op's buffer to the next.
     stride: int
     #: Every op's block ids, op after op.
