@@ -78,6 +78,53 @@ class TierDriver(Protocol):
     async def close(self) -> None: ...
 
 
+class RemoteTierStats(msgspec.Struct, frozen=True, kw_only=True):
+    """What a remote tier's ops came to, beyond :class:`TierStats`' successes and errors."""
+
+    #: Reads and existence checks of keys the server did not hold.
+    absent: int = 0
+    #: Values that failed verification (each was deleted).
+    corrupt: int = 0
+    #: Writes the server refused for lack of memory.
+    full: int = 0
+    #: Ops whose I/O failed: node unreachable or backing off, timeout, connection lost.
+    failed: int = 0
+    #: Cluster ``MOVED``/``ASK`` replies followed.
+    redirects: int = 0
+    #: Connections opened.
+    connects: int = 0
+
+
+@runtime_checkable
+class RemoteTier(TierDriver, Protocol):
+    """A store shared by many processes and addressed by chunk key alone (no slots).
+
+    Ops carry ``key`` and leave ``slot`` at -1. The store may drop any chunk at any time
+    (eviction, restart), so the core keeps no index of it, only a hint
+    (:class:`tiered_kv.remote_hint.ResidencyHint`) fed by what these calls report. Every
+    read verifies namespace, key and checksum; a value that fails is deleted and is a
+    miss. The per-op calls never raise for a miss or an I/O failure: they report it.
+    """
+
+    async def read_each(self, ops: Sequence[TransferOp]) -> list[bool]:
+        """Read each op's chunk into its buffer: true where it arrived verified."""
+        ...
+
+    async def write_each(self, ops: Sequence[TransferOp]) -> list[bool]:
+        """Store each op's chunk: true where the store took it."""
+        ...
+
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether the store holds each key now (false where it cannot be asked)."""
+        ...
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> None:
+        """Delete the keys, best effort."""
+        ...
+
+    def remote_statistics(self) -> RemoteTierStats: ...
+
+
 @runtime_checkable
 class CachePolicy(Protocol):
     """Orders the keys resident in one tier for one namespace; synchronous and pure.
