@@ -53,6 +53,8 @@ log = get_logger("remote")
 MAX_REDIRECTS = 3
 _ASKING = command("ASKING")
 _CRLF = b"\r\n"
+#: Requests of a pipeline are sent once they add up to this many bytes (or at its end).
+_SEND_BYTES = 1 << 20
 
 
 class Outcome(enum.Enum):
@@ -175,6 +177,40 @@ class _Set:
         if isinstance(reply, RespError):
             return reply
         return Outcome.OK if reply == b"OK" else Outcome.FAILED
+
+
+class _RawSet:
+    """``SET`` of the bare buffer: no header, no checksum (the client's own limit)."""
+
+    def request(self, item: _Item) -> list[bytes | memoryview]:
+        assert item.op is not None
+        payload = _bytes_of(item.op.buffer)
+        return [set_prefix(item.name, len(payload)), payload, _CRLF]
+
+    def response(self, conn: RespConnection, item: _Item) -> Outcome | RespError:
+        reply = conn.read_reply()
+        return reply if isinstance(reply, RespError) else Outcome.OK if reply == b"OK" else Outcome.FAILED
+
+
+class _RawGet:
+    """``GET`` into the bare buffer, verifying nothing (the client's own limit)."""
+
+    def request(self, item: _Item) -> list[bytes | memoryview]:
+        return [command("GET", item.name)]
+
+    def response(self, conn: RespConnection, item: _Item) -> Outcome | RespError:
+        assert item.op is not None
+        n = conn.read_bulk_length()
+        if isinstance(n, RespError) or n < 0:
+            return n if isinstance(n, RespError) else Outcome.ABSENT
+        target = _bytes_of(item.op.buffer)
+        if n != len(target):
+            conn.skip(n)
+            conn.expect_crlf()
+            return Outcome.FAILED
+        conn.read_into(target)
+        conn.expect_crlf()
+        return Outcome.OK
 
 
 class _Small:
@@ -318,6 +354,15 @@ class RemoteTier(DriverBase):
         """Delete the keys (best effort: a key the server cannot be reached for stays)."""
         await self._run(_UNLINK, self._names(keys))
 
+    async def raw(self, ops: Sequence[TransferOp], *, write: bool) -> None:
+        """For benchmarks, the client's own limit: the ops' buffers as bare values (no
+        header, checksum or verification) through the same threads, connections and
+        pipelining as :meth:`read` and :meth:`write`. Raises for the first op that did not
+        succeed; counts nothing. The values go under the keys' names, where a later
+        :meth:`read` refuses them: use a driver opened (with a prefix) for this alone."""
+        items = self._items(ops, write=write)
+        _raise_first(await self._run(_RawSet() if write else _RawGet(), items, count=False))
+
     def remote_statistics(self) -> RemoteTierStats:
         with self._lock:
             counts = dict(self._outcomes)
@@ -361,7 +406,7 @@ class RemoteTier(DriverBase):
             raise ValueError("a batch writes the same key twice")
         return [_Item(key_name(self._prefix, self._fingerprint_hex, self.group, op.key), op) for op in ops]
 
-    async def _run(self, verb: _Verb, items: list[_Item]) -> list[Outcome]:
+    async def _run(self, verb: _Verb, items: list[_Item], *, count: bool = True) -> list[Outcome]:
         """``verb`` over ``items`` on the driver threads; the outcome of each, in order."""
         if not items:
             return []
@@ -375,7 +420,8 @@ class RemoteTier(DriverBase):
 
         results = await settle(work, abort)
         outcomes = [outcome for run in results for outcome in run]
-        self._tally(verb, items, outcomes)
+        if count:
+            self._tally(verb, items, outcomes)
         return outcomes
 
     def _tally(self, verb: _Verb, items: list[_Item], outcomes: list[Outcome]) -> None:
@@ -455,6 +501,9 @@ class RemoteTier(DriverBase):
                 if ask:
                     parts.append(_ASKING)
                 parts += verb.request(item)
+                if sum(len(part) for part in parts) >= _SEND_BYTES:
+                    conn.send(parts)  # the server works on it while the next request is built
+                    parts = []
             conn.send(parts)
             for j, item in enumerate(items):
                 if ask:

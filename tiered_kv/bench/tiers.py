@@ -67,6 +67,8 @@ TARGETS = {
     "nvme->cpu": 0.80,
     MANAGER_CPU: 0.80,
     MANAGER_NVME: 0.80,
+    "cpu->remote": 0.80,
+    "remote->cpu": 0.80,
 }
 
 
@@ -156,6 +158,9 @@ class TiersSection:
         parser.add_argument("--tier-disk-mib", type=int, default=512, help="MiB per disk pass (default 512)")
         parser.add_argument("--tier-repeats", type=int, default=5, help="timed passes per path (default 5)")
         parser.add_argument("--io-depth", type=int, default=8, help="concurrent disk I/Os (default 8)")
+        from tiered_kv.bench import remote  # it builds on this module
+
+        remote.add_arguments(parser)
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
         figures = asyncio.run(self._run(args, progress))
@@ -178,11 +183,14 @@ class TiersSection:
             headers=["path", "layout", "chunk", "limit", "driver", "ratio", "target", "limit measured as"],
             rows=rows,
             note=f"disk files in {where} ({filesystem(where)})"
-            + ("; gpu paths run on a CPU stand-in without CUDA" if not torch.cuda.is_available() else ""),
+            + ("; gpu paths run on a CPU stand-in without CUDA" if not torch.cuda.is_available() else "")
+            + ("" if any(f.path == "cpu->remote" for f in figures) else "; no remote rows: no server at hand"),
         )
         return SectionResult(payload=msgspec.to_builtins(figures), tables=[table])
 
     async def _run(self, args: argparse.Namespace, progress: Progress) -> list[TierFigure]:
+        from tiered_kv.bench import remote
+
         sizes: list[int] = args.chunk_mib
         figures: list[TierFigure] = []
         with tempfile.TemporaryDirectory(dir=args.nvme_dir, prefix="tiered-kv-bench-") as tmp:
@@ -193,6 +201,7 @@ class TiersSection:
                 figures += await self._memory(chunk_bytes, args.tier_mem_mib * MiB, args.tier_repeats)
                 progress.step(2 * i + 1, 2 * len(sizes), f"disk, {chunk_bytes // MiB} MiB chunks")
                 figures += await self._disk(chunk_bytes, args, Path(tmp))
+                figures += await remote.remote_figures(args, chunk_bytes) or []
             progress.step(2 * len(sizes), 2 * len(sizes), "done")
         return figures
 
