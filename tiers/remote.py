@@ -131,25 +131,32 @@ class _Get:
         if n < 0:
             return Outcome.ABSENT
         key = item.op.key
+        target = _bytes_of(item.op.buffer)
         size = header_bytes(len(key))
-        if n < size:
-            return _drop(conn, n)
+        if n != size + len(target):
+            return _drop(conn, n, size + len(target))
         raw = bytearray(size)
         conn.read_into(memoryview(raw))
         try:
             length, checksum = read_header(raw, fingerprint=self.fingerprint, group=self.group, key=key)
         except CorruptChunk:
-            return _drop(conn, n - size)
-        target = _bytes_of(item.op.buffer)
-        if length != len(target) or n != size + length:
-            return _drop(conn, n - size)
+            return _drop(conn, n - size, n)
+        if length != len(target):
+            return _drop(conn, n - size, n)
         conn.read_into(target)
         conn.expect_crlf()
         return Outcome.OK if payload_checksum(target) == checksum else Outcome.CORRUPT
 
 
-def _drop(conn: RespConnection, rest: int) -> Outcome:
-    """Skip the rest of a value that failed verification."""
+class _Oversized(OSError):
+    """A value far larger than the chunk it should hold: cheaper to drop the connection
+    than to read it (anyone who can write the server could make reads slow otherwise)."""
+
+
+def _drop(conn: RespConnection, rest: int, expected: int) -> Outcome:
+    """Skip the ``rest`` of a value that failed verification; a chunk is ``expected`` bytes."""
+    if rest > 2 * expected + (64 << 10):
+        raise _Oversized(f"a value of {rest} bytes where a chunk has {expected}")
     conn.skip(rest)
     conn.expect_crlf()
     return Outcome.CORRUPT
@@ -508,7 +515,11 @@ class RemoteTier(DriverBase):
             for j, item in enumerate(items):
                 if ask:
                     conn.read_reply()  # ASKING's +OK
-                replies[j] = verb.response(conn, item)
+                try:
+                    replies[j] = verb.response(conn, item)
+                except _Oversized:
+                    replies[j] = Outcome.CORRUPT  # deleted like any value that fails
+                    raise
         except OSError as exc:
             self.nodes.discard(conn)
             self.nodes.failed(node)
