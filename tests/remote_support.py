@@ -64,8 +64,9 @@ def key(i: int, salt: int = 0) -> bytes:
     return i.to_bytes(8, "little") + salt.to_bytes(8, "little")
 
 
-def ops(buffers: list[torch.Tensor], *, salt: int = 0) -> list[TransferOp]:
-    return [TransferOp(buffer=b, key=key(i, salt)) for i, b in enumerate(buffers)]
+def ops(buffers: list[torch.Tensor], *, salt: int = 0, first: int = 0) -> list[TransferOp]:
+    """Ops for ``buffers`` under keys ``first``, ``first + 1`` ..."""
+    return [TransferOp(buffer=b, key=key(first + i, salt)) for i, b in enumerate(buffers)]
 
 
 def empty(n: int, chunk_bytes: int) -> list[torch.Tensor]:

@@ -25,6 +25,7 @@ from remote_support import chunks, empty, key, open_tier, ops, remote_config, re
 from structlog.testing import capture_logs
 from tiered_kv.tiers.remote import RemoteTier
 from tiered_kv.tiers.remote_format import header_bytes, key_name, pack_header, read_header
+from tiered_kv.tiers.remote_nodes import Nodes, NodeSettings, Unreachable
 
 from tiered_kv.config import RemoteTierConfig
 from tiered_kv.errors import ConfigError, CorruptChunk, TierFullError, TierIOError
@@ -168,6 +169,35 @@ async def test_a_refused_connection_is_a_miss_and_the_node_backs_off(tmp_path: P
     assert tier.statistics().errors == 9
 
 
+def test_backoff_doubles_per_failed_retry_not_per_concurrent_failure() -> None:
+    now = [0.0]
+    address = ("127.0.0.1", free_port())
+    settings = NodeSettings(timeout_s=1, connect_timeout_s=1, backoff_s=1, backoff_max_s=4)
+    nodes = Nodes([address], cluster=False, settings=settings, clock=lambda: now[0], rng=random.Random(0))
+
+    def attempt(at: float) -> str:
+        now[0] = at
+        try:
+            nodes.connection(address)
+        except Unreachable:
+            return "backing off"
+        except ConnectionRefusedError:
+            return "refused"
+        return "connected"
+
+    assert attempt(0) == "refused"  # backs off 0.5 to 1 s
+    for _ in range(7):  # other threads failing in the same outage do not lengthen it
+        nodes._back_off(address, ConnectionRefusedError())
+    assert attempt(0.49) == "backing off"
+    assert attempt(1.0) == "refused"  # then 1 to 2 s
+    assert attempt(1.99) == "backing off"
+    assert attempt(3.0) == "refused"  # then 2 to 4 s
+    assert attempt(4.99) == "backing off"
+    assert attempt(7.0) == "refused"  # capped at 4 s (2 to 4 s)
+    assert attempt(8.99) == "backing off"
+    assert attempt(11.0) == "refused"
+
+
 async def test_a_server_that_comes_up_later_is_used_after_the_backoff() -> None:
     server = ValkeyServer()
     config = RemoteTierConfig(url=server.url, backoff_s=0.01, backoff_max_s=0.02)
@@ -228,7 +258,8 @@ async def test_sigkill_during_a_batch_never_serves_wrong_bytes(seed: int) -> Non
     rng = random.Random(seed)
     chunk_bytes = 1 << 20
     with ValkeyServer() as server:
-        tier = await open_tier(RemoteTierConfig(url=server.url, timeout_s=2), chunk_bytes=chunk_bytes)
+        config = RemoteTierConfig(url=server.url, timeout_s=2, backoff_s=0.01, backoff_max_s=0.05)
+        tier = await open_tier(config, chunk_bytes=chunk_bytes)
         try:
             data = chunks(16, chunk_bytes, seed=seed)
             await tier.write(ops(data[:8]))
@@ -243,9 +274,10 @@ async def test_sigkill_during_a_batch_never_serves_wrong_bytes(seed: int) -> Non
             # Dead server: everything is a miss, at once; then it comes back empty.
             assert await asyncio.wait_for(tier.read_each(ops(empty(8, chunk_bytes))), NO_HANG_S) == [False] * 8
             server.start()
-            await asyncio.sleep(0.3)  # past the backoff
+            await asyncio.sleep(0.1)  # past the backoff
             assert await tier.read_each(ops(empty(8, chunk_bytes))) == [False] * 8
             assert await tier.read_each(ops(empty(8, chunk_bytes), salt=1)) == [False] * 8
+            assert tier.remote_statistics().absent == 16, "the server that came back was not asked"
             await tier.write(ops(data[:2]))  # sharing resumes
             out = empty(2, chunk_bytes)
             await tier.read(ops(out))
@@ -255,24 +287,20 @@ async def test_sigkill_during_a_batch_never_serves_wrong_bytes(seed: int) -> Non
             await tier.close()
 
 
-async def test_a_restarted_empty_server_misses_then_serves_again() -> None:
+async def test_a_restarted_empty_server_misses_then_serves_again_at_once() -> None:
     with ValkeyServer() as server:
-        tier = await open_tier(RemoteTierConfig(url=server.url, backoff_s=0.01, backoff_max_s=0.02))
+        tier = await open_tier(RemoteTierConfig(url=server.url, io_depth=4))
         try:
-            data = chunks(4, 64 * KiB, seed=9)
-            await tier.write(ops(data))
+            data = chunks(8, 64 * KiB, seed=9)
+            await tier.write(ops(data))  # every driver thread now holds a connection
             server.restart()
-            found = [True]
-            for _ in range(100):  # the first try may meet the dead connection
-                found = await tier.read_each(ops(empty(4, 64 * KiB)))
-                if tier.remote_statistics().absent:
-                    break
-                await asyncio.sleep(0.01)
-            assert found == [False] * 4
+            # Each thread's connection is dead: it is replaced, not reported as a failure.
+            assert await tier.read_each(ops(empty(8, 64 * KiB))) == [False] * 8
+            assert tier.remote_statistics().absent == 8 and tier.remote_statistics().failed == 0
             await tier.write(ops(data))
-            out = empty(4, 64 * KiB)
+            out = empty(8, 64 * KiB)
             await tier.read(ops(out))
-            assert_exact_where_found([True] * 4, out, data)
+            assert_exact_where_found([True] * 8, out, data)
         finally:
             await tier.close()
 
@@ -284,8 +312,7 @@ async def test_eviction_at_maxmemory_turns_into_misses() -> None:
         try:
             data = chunks(96, chunk_bytes, seed=10)  # 24 MiB into 8 MiB
             for start in range(0, 96, 8):
-                batch = [TransferOp(buffer=data[i], key=key(i)) for i in range(start, start + 8)]
-                assert all(await tier.write_each(batch))
+                assert all(await tier.write_each(ops(data[start : start + 8], first=start)))
             out = empty(96, chunk_bytes)
             found = await tier.read_each(ops(out))
             assert not all(found), "the server evicted nothing"
@@ -304,9 +331,7 @@ async def test_oom_on_write_is_a_full_tier_and_nothing_wrong_is_kept() -> None:
             data = chunks(32, chunk_bytes, seed=11)
             stored: list[bool] = []
             for start in range(0, 32, 4):
-                stored += await tier.write_each(
-                    [TransferOp(buffer=data[i], key=key(i)) for i in range(start, start + 4)]
-                )
+                stored += await tier.write_each(ops(data[start : start + 4], first=start))
             assert not all(stored) and any(stored)
             assert tier.remote_statistics().full == stored.count(False)
             with pytest.raises(TierFullError):

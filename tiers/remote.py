@@ -256,6 +256,19 @@ def read_password(config: RemoteTierConfig) -> str | None:
     return None
 
 
+def _settings(config: RemoteTierConfig) -> NodeSettings:
+    """How to connect: timeouts, backoff, TLS context, credentials."""
+    return NodeSettings(
+        timeout_s=config.timeout_s,
+        connect_timeout_s=config.connect_timeout_s,
+        backoff_s=config.backoff_s,
+        backoff_max_s=config.backoff_max_s,
+        tls=ssl.create_default_context(cafile=config.tls_ca_file) if config.uses_tls else None,
+        username=config.username,
+        password=read_password(config),
+    )
+
+
 class RemoteTier(DriverBase):
     """Chunks of one namespace's KV group on a Valkey/Redis deployment; open with :meth:`open`.
 
@@ -297,19 +310,13 @@ class RemoteTier(DriverBase):
         """A driver for ``namespace``'s KV group ``group`` on the deployment ``config``
         names. An unreachable deployment is not an error here (it is logged): its chunks
         are misses until it answers."""
-        password = read_password(config)
-        tls = ssl.create_default_context(cafile=config.tls_ca_file) if config.uses_tls else None
-        settings = NodeSettings(
-            timeout_s=config.timeout_s,
-            connect_timeout_s=config.connect_timeout_s,
-            backoff_s=config.backoff_s,
-            backoff_max_s=config.backoff_max_s,
-            tls=tls,
-            username=config.username,
-            password=password,
-        )
-        nodes = Nodes(config.addresses(), cluster=bool(config.cluster_nodes), settings=settings)
         pool = worker_pool("remote", config.io_depth)
+        try:
+            [settings] = await in_threads(pool, _settings, [(config,)])  # reads files: not on the loop
+        except BaseException:
+            pool.shutdown(wait=False)
+            raise
+        nodes = Nodes(config.addresses(), cluster=bool(config.cluster_nodes), settings=settings)
         tier = cls(
             nodes,
             namespace,
@@ -491,42 +498,62 @@ class RemoteTier(DriverBase):
         self, call: _Call, verb: _Verb, node: Address, ask: bool, items: list[_Item]
     ) -> list[Outcome | RespError]:
         """Pipeline ``verb`` for ``items`` on this thread's connection to ``node``; an
-        I/O failure fails the items whose replies had not been read."""
+        I/O failure fails the items whose replies had not been read.
+
+        A connection kept from earlier calls may have died in between (the server was
+        restarted): when it fails before any reply, the pipeline is sent once more on a
+        new connection (every verb is idempotent)."""
         replies: list[Outcome | RespError] = [Outcome.FAILED] * len(items)
-        try:
-            conn = self.nodes.connection(node)
-        except OSError:
-            self.nodes.failed(node)
-            return replies
-        try:
-            call.use(conn)
-        except ConnectionAbortedError:
-            return replies
-        try:
-            parts: list[bytes | memoryview] = []
-            for item in items:
-                if ask:
-                    parts.append(_ASKING)
-                parts += verb.request(item)
-                if sum(len(part) for part in parts) >= _SEND_BYTES:
-                    conn.send(parts)  # the server works on it while the next request is built
-                    parts = []
-            conn.send(parts)
-            for j, item in enumerate(items):
-                if ask:
-                    conn.read_reply()  # ASKING's +OK
-                try:
-                    replies[j] = verb.response(conn, item)
-                except _Oversized:
-                    replies[j] = Outcome.CORRUPT  # deleted like any value that fails
-                    raise
-        except OSError as exc:
-            self.nodes.discard(conn)
-            self.nodes.failed(node)
-            log.warning("remote.io_failed", node=f"{node[0]}:{node[1]}", n_chunks=len(items), reason=repr(exc))
-        finally:
-            call.done(conn)
+        for attempt in range(2):
+            try:
+                conn = self.nodes.connection(node)
+            except OSError:
+                self.nodes.failed(node)
+                return replies
+            try:
+                call.use(conn)
+            except ConnectionAbortedError:
+                return replies
+            try:
+                self._pipeline(conn, verb, ask, items, replies)
+                return replies
+            except OSError as exc:
+                self.nodes.discard(conn)
+                replied = any(reply is not Outcome.FAILED for reply in replies)
+                if attempt == 0 and conn.uses > 1 and not replied and not call.aborted:
+                    continue
+                self.nodes.failed(node)
+                log.warning("remote.io_failed", node=f"{node[0]}:{node[1]}", n_chunks=len(items), reason=repr(exc))
+                return replies
+            finally:
+                call.done(conn)
         return replies
+
+    @staticmethod
+    def _pipeline(
+        conn: RespConnection, verb: _Verb, ask: bool, items: list[_Item], replies: list[Outcome | RespError]
+    ) -> None:
+        """Send every item's request, then read every reply into ``replies``."""
+        parts: list[bytes | memoryview] = []
+        pending = 0
+        for item in items:
+            if ask:
+                parts.append(_ASKING)
+            request = verb.request(item)
+            parts += request
+            pending += sum(len(part) for part in request)
+            if pending >= _SEND_BYTES:
+                conn.send(parts)  # the server works on it while the next request is built
+                parts, pending = [], 0
+        conn.send(parts)
+        for j, item in enumerate(items):
+            if ask:
+                conn.read_reply()  # ASKING's +OK
+            try:
+                replies[j] = verb.response(conn, item)
+            except _Oversized:
+                replies[j] = Outcome.CORRUPT  # deleted like any value that fails
+                raise
 
 
 def _raise_first(outcomes: list[Outcome]) -> None:

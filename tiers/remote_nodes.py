@@ -152,6 +152,7 @@ class Nodes:
         conn = mine.get(node)
         if conn is not None:
             if not conn.broken:
+                conn.uses += 1
                 return conn
             self.discard(conn)
         with self._lock:
@@ -176,11 +177,15 @@ class Nodes:
             self._all.add(conn)
             self.connects += 1
         mine[node] = conn
+        conn.uses = 1
         return conn
 
     def _back_off(self, node: Address, exc: OSError) -> None:
         with self._lock:
-            failures = self._down[node].failures + 1 if node in self._down else 1
+            down = self._down.get(node)
+            if down is not None and self._clock() < down.retry_at:
+                return  # another thread's connect failed in the same outage: no escalation
+            failures = down.failures + 1 if down is not None else 1
             delay = min(self.settings.backoff_max_s, self.settings.backoff_s * 2 ** (failures - 1))
             delay *= self._rng.uniform(0.5, 1.0)
             self._down[node] = _Backoff(retry_at=self._clock() + delay, failures=failures)

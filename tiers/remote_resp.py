@@ -103,6 +103,8 @@ class RespConnection:
         self._start = self._end = 0
         #: Set once the connection must not be used again (aborted or closed).
         self.broken = False
+        #: Exchanges this connection was handed out for (see :meth:`Nodes.connection`).
+        self.uses = 0
         if password is not None:
             auth = ("AUTH", username, password) if username else ("AUTH", password)
             reply = self.call(*auth)
