@@ -5,8 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+from remote_support import chunks, empty, key, open_tier, ops, remote_config, requires_valkey, valkey
 
 from tiered_kv.remote_hint import ResidencyHint
+from tiered_kv.testing.valkey_server import ValkeyServer
+
+__all__ = ["valkey"]  # fixture
 
 
 def k(i: int) -> bytes:
@@ -122,3 +127,36 @@ def test_random_reports_keep_the_hint_bounded_and_agreeing_with_the_last_report(
                 assert not hint.likely(key), "a key reported absent was still believed present"
             elif hint.likely(key):
                 assert not hint.known_absent(key)
+
+
+@requires_valkey
+async def test_a_second_engine_finds_the_first_engines_chunks_through_probes(valkey: ValkeyServer) -> None:
+    """The flow the manager runs: A stores and notes; B's lookup queues probes, one
+    batched EXISTS answers them, B's next lookup sees the prefix; a vanished chunk costs
+    B one miss, after which the hint knows."""
+    config = remote_config(valkey)
+    engine_a, engine_b = await open_tier(config), await open_tier(config)
+    hint_a, hint_b = ResidencyHint(64), ResidencyHint(64)
+    try:
+        data = chunks(4, 64 << 10, seed=40)
+        stored = await engine_a.write_each(ops(data))
+        hint_a.note_present([key(i) for i, ok in enumerate(stored) if ok])
+        wanted = [key(i) for i in range(6)]  # B's request: 4 stored chunks, then 2 nobody has
+        assert hint_a.present_prefix(wanted) == 4
+        assert hint_b.present_prefix(wanted) == 0
+        probes = hint_b.take_probes(16)
+        for probe, present in zip(probes, await engine_b.exists(probes), strict=True):
+            (hint_b.note_present if present else hint_b.note_absent)([probe])
+        assert hint_b.present_prefix(wanted) == 4
+        assert hint_b.take_probes(16) == [], "the two absent chunks are not probed again at once"
+
+        await engine_a.delete([key(2)])  # evicted by the server, say
+        out = empty(4, 64 << 10)
+        found = await engine_b.read_each(ops(out))
+        assert found == [True, True, False, True]
+        hint_b.note_absent([key(i) for i, ok in enumerate(found) if not ok])
+        assert hint_b.present_prefix(wanted) == 2
+        assert all(torch.equal(out[i], data[i]) for i in (0, 1, 3))
+    finally:
+        await engine_a.close()
+        await engine_b.close()

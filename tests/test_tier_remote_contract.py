@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_namespace
-from remote_support import remote_config, requires_valkey, valkey, valkey_cluster
+from remote_support import chunks, key, open_tier, ops, remote_config, requires_valkey, valkey, valkey_cluster
 from tiered_kv.tiers.remote import RemoteTier
+from tiered_kv.tiers.remote_format import header_bytes
 
 from tiered_kv.interfaces import RemoteTier as RemoteTierProtocol
-from tiered_kv.interfaces import TierDriver, TransferOp
+from tiered_kv.interfaces import RemoteUsage, TierDriver, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.testing import TierDriverContract
 from tiered_kv.testing.valkey_server import ValkeyCluster, ValkeyServer
@@ -79,3 +80,29 @@ class TestRemoteClusterContract(TestRemoteContract):
     @pytest.fixture(autouse=True)
     def _deployment(self, valkey_cluster: ValkeyCluster) -> None:  # type: ignore[override]
         self.deployment = valkey_cluster
+
+
+@pytest.mark.parametrize("where", ["server", "cluster"])
+async def test_usage_counts_keys_and_bytes_per_namespace_and_group(where: str, request: pytest.FixtureRequest) -> None:
+    deployment = request.getfixturevalue("valkey" if where == "server" else "valkey_cluster")
+    config = remote_config(deployment)
+    a, b = make_namespace(), make_namespace(cache_salt="b")
+    tiers = [await open_tier(config, a), await open_tier(config, b), await open_tier(config, a, group=1)]
+    try:
+        for tier, n in zip(tiers, (3, 5, 2), strict=True):
+            await tier.write(ops(chunks(n, 64 << 10)))
+        value = header_bytes(16) + (64 << 10)
+        want = sorted(
+            [
+                RemoteUsage(fingerprint=a.fingerprint_hex, group=0, keys=3, bytes=3 * value),
+                RemoteUsage(fingerprint=b.fingerprint_hex, group=0, keys=5, bytes=5 * value),
+                RemoteUsage(fingerprint=a.fingerprint_hex, group=1, keys=2, bytes=2 * value),
+            ],
+            key=lambda u: (u.fingerprint, u.group),
+        )
+        assert await tiers[0].usage() == want
+        await tiers[1].delete([key(i) for i in range(5)])
+        assert await tiers[0].usage() == [u for u in want if u.fingerprint != b.fingerprint_hex]
+    finally:
+        for tier in tiers:
+            await tier.close()

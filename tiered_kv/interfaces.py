@@ -95,6 +95,17 @@ class RemoteTierStats(msgspec.Struct, frozen=True, kw_only=True):
     connects: int = 0
 
 
+class RemoteUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """What one namespace's KV group holds in a remote store, at the time of asking."""
+
+    #: The namespace fingerprint (hex) and KV group in the keys' names.
+    fingerprint: str
+    group: int
+    keys: int
+    #: Bytes of the values (headers included).
+    bytes: int
+
+
 @runtime_checkable
 class RemoteTier(TierDriver, Protocol):
     """A store shared by many processes and addressed by chunk key alone (no slots).
@@ -123,6 +134,11 @@ class RemoteTier(TierDriver, Protocol):
         ...
 
     def remote_statistics(self) -> RemoteTierStats: ...
+
+    async def usage(self) -> list[RemoteUsage]:
+        """Keys and bytes under the store's prefix, per namespace and group, by walking
+        the key space (work proportional to the keys, off the event loop)."""
+        ...
 
 
 @runtime_checkable

@@ -35,14 +35,14 @@ from typing import Protocol
 import torch
 from tiered_kv.tiers._driver import check_buffer, in_threads, settle, shutdown, split, worker_pool
 from tiered_kv.tiers.nvme_format import MAX_KEY_BYTES, payload_checksum
-from tiered_kv.tiers.remote_format import header_bytes, key_name, pack_header, read_header
+from tiered_kv.tiers.remote_format import header_bytes, key_name, namespace_pattern, pack_header, read_header
 from tiered_kv.tiers.remote_nodes import Address, Nodes, NodeSettings
-from tiered_kv.tiers.remote_resp import RespConnection, RespError, command, set_prefix
+from tiered_kv.tiers.remote_resp import ProtocolError, RespConnection, RespError, command, set_prefix
 
 from tiered_kv.config import RemoteTierConfig
 from tiered_kv.driver_base import DriverBase
 from tiered_kv.errors import ConfigError, CorruptChunk, TierFullError, TierIOError
-from tiered_kv.interfaces import RemoteTierStats, TransferOp
+from tiered_kv.interfaces import RemoteTierStats, RemoteUsage, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
@@ -53,6 +53,8 @@ log = get_logger("remote")
 MAX_REDIRECTS = 3
 _ASKING = command("ASKING")
 _CRLF = b"\r\n"
+#: Keys a ``SCAN`` step asks for.
+_SCAN_COUNT = 1000
 #: Requests of a pipeline are sent once they add up to this many bytes (or at its end).
 _SEND_BYTES = 1 << 20
 
@@ -377,6 +379,57 @@ class RemoteTier(DriverBase):
         items = self._items(ops, write=write)
         _raise_first(await self._run(_RawSet() if write else _RawGet(), items, count=False))
 
+    async def usage(self) -> list[RemoteUsage]:
+        """Keys and value bytes under this tier's prefix, per namespace fingerprint and
+        group (every namespace's, not only this driver's), by ``SCAN`` over every node."""
+        self._check_open()
+        call = _Call()
+        work = asyncio.ensure_future(in_threads(self._pool, self._walk, [(call,)]))
+
+        def abort() -> None:
+            call.abort()
+            work.cancel()
+
+        try:
+            [totals] = await settle(work, abort)
+        except OSError as exc:
+            raise TierIOError(f"walking the key space: {exc!r}", tier=self.name) from exc
+        return [
+            RemoteUsage(fingerprint=fingerprint, group=group, keys=keys, bytes=nbytes)
+            for (fingerprint, group), (keys, nbytes) in sorted(totals.items())
+        ]
+
+    def _walk(self, call: _Call) -> dict[tuple[str, int], tuple[int, int]]:
+        """``(fingerprint, group) → (keys, bytes)`` over every node, in a driver thread."""
+        totals: dict[tuple[str, int], tuple[int, int]] = {}
+        pattern = namespace_pattern(self._prefix)
+        for node in self.nodes.primaries():
+            conn = self.nodes.connection(node)
+            call.use(conn)
+            try:
+                cursor = b"0"
+                while True:
+                    reply = conn.call("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)
+                    if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[1], list)):
+                        raise ProtocolError(f"SCAN answered {reply!r:.80}")
+                    names = [name for name in reply[1] if isinstance(name, bytes)]
+                    conn.send([command("STRLEN", name) for name in names])
+                    for name in names:
+                        length = conn.read_reply()
+                        where = _namespace_of(self._prefix, name)
+                        if where is not None and isinstance(length, int) and length > 0:
+                            keys, nbytes = totals.get(where, (0, 0))
+                            totals[where] = (keys + 1, nbytes + length)
+                    cursor = reply[0] if isinstance(reply[0], bytes) else b"0"
+                    if cursor == b"0":
+                        break
+            except OSError:
+                self.nodes.discard(conn)
+                raise
+            finally:
+                call.done(conn)
+        return totals
+
     def remote_statistics(self) -> RemoteTierStats:
         with self._lock:
             counts = dict(self._outcomes)
@@ -554,6 +607,14 @@ class RemoteTier(DriverBase):
             except _Oversized:
                 replies[j] = Outcome.CORRUPT  # deleted like any value that fails
                 raise
+
+
+def _namespace_of(prefix: bytes, name: bytes) -> tuple[str, int] | None:
+    """``(fingerprint, group)`` in a key name under ``prefix``, or ``None`` for another name."""
+    parts = name[len(prefix) + 1 :].split(b":")
+    if len(parts) != 3 or not parts[1].startswith(b"g") or not parts[1][1:].isdigit():
+        return None
+    return parts[0].decode("ascii", "replace"), int(parts[1][1:])
 
 
 def _raise_first(outcomes: list[Outcome]) -> None:

@@ -108,6 +108,14 @@ class Nodes:
             raise Unreachable("no node serves this key's slot")
         return node
 
+    def primaries(self) -> list[Address]:
+        """Every node that serves keys: the server, or the cluster's primaries."""
+        if not self.cluster:
+            return [self.seeds[0]]
+        if self._stale:
+            self.refresh()
+        return sorted({node for node in self._slots if node is not None})
+
     def moved(self, slot: int, node: Address) -> None:
         """A ``MOVED`` reply: ``slot`` is now served by ``node``."""
         if self.cluster and 0 <= slot < SLOTS:
