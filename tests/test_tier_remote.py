@@ -23,8 +23,9 @@ import torch
 from conftest import make_namespace
 from remote_support import chunks, empty, key, open_tier, ops, remote_config, requires_valkey, valkey
 from structlog.testing import capture_logs
+from tiered_kv.tiers.nvme_format import payload_checksum
 from tiered_kv.tiers.remote import RemoteTier
-from tiered_kv.tiers.remote_format import header_bytes, key_name, pack_header, read_header
+from tiered_kv.tiers.remote_format import header_bytes, key_name, pack_header, payload_digest, read_header
 from tiered_kv.tiers.remote_nodes import Nodes, NodeSettings, Unreachable
 
 from tiered_kv.config import RemoteTierConfig
@@ -66,6 +67,18 @@ def test_a_header_reads_back_and_any_flipped_bit_is_refused() -> None:
         fields = {"fingerprint": fingerprint, "group": 1, "key": chunk_key, **other}
         with pytest.raises(CorruptChunk):
             read_header(header, **fields)  # type: ignore[arg-type]
+
+
+def test_the_streaming_digest_is_the_nvme_tiers_checksum() -> None:
+    data = memoryview(os.urandom(300_001))
+    rng = random.Random(3)
+    for _ in range(20):
+        digest, at = payload_digest(), 0
+        while at < len(data):
+            step = rng.randint(1, 70_000)
+            digest.update(data[at : at + step])
+            at += step
+        assert digest.digest() == payload_checksum(data)
 
 
 def test_key_names_bind_prefix_namespace_and_group() -> None:

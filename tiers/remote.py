@@ -35,7 +35,14 @@ from typing import Protocol
 import torch
 from tiered_kv.tiers._driver import check_buffer, in_threads, settle, shutdown, split, worker_pool
 from tiered_kv.tiers.nvme_format import MAX_KEY_BYTES, payload_checksum
-from tiered_kv.tiers.remote_format import header_bytes, key_name, namespace_pattern, pack_header, read_header
+from tiered_kv.tiers.remote_format import (
+    header_bytes,
+    key_name,
+    namespace_pattern,
+    pack_header,
+    payload_digest,
+    read_header,
+)
 from tiered_kv.tiers.remote_nodes import Address, Nodes, NodeSettings
 from tiered_kv.tiers.remote_resp import ProtocolError, RespConnection, RespError, command, set_prefix
 
@@ -145,9 +152,10 @@ class _Get:
             return _drop(conn, n - size, n)
         if length != len(target):
             return _drop(conn, n - size, n)
-        conn.read_into(target)
+        digest = payload_digest()
+        conn.read_into(target, digest)
         conn.expect_crlf()
-        return Outcome.OK if payload_checksum(target) == checksum else Outcome.CORRUPT
+        return Outcome.OK if digest.digest() == checksum else Outcome.CORRUPT
 
 
 class _Oversized(OSError):

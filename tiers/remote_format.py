@@ -30,6 +30,12 @@ _FIXED = struct.Struct("<8sHHIQ32s16s")
 _CHECK = struct.Struct("<Q")
 
 
+def payload_digest() -> xxhash.xxh3_128:
+    """A streaming :func:`~tiered_kv.tiers.nvme_format.payload_checksum`: fed the payload
+    piece by piece, its ``digest()`` is the same checksum."""
+    return xxhash.xxh3_128()
+
+
 def header_bytes(key_len: int) -> int:
     """Bytes of the header in front of a payload whose chunk key has ``key_len`` bytes."""
     return _FIXED.size + key_len + _CHECK.size

@@ -20,7 +20,7 @@ import contextlib
 import socket
 import ssl
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 _CRLF = b"\r\n"
 _READ_AHEAD = 1 << 16
@@ -52,6 +52,12 @@ class RespError(Exception):
 #: Replies as parsed: simple strings and bulk strings as bytes, integers, nil as None,
 #: arrays as lists, error replies as :class:`RespError` values (not raised).
 Reply: TypeAlias = "bytes | int | list[Reply] | RespError | None"
+
+
+class Digest(Protocol):
+    """A streaming hash (``xxhash.xxh3_128``, ``hashlib`` objects)."""
+
+    def update(self, data: memoryview, /) -> None: ...
 
 
 class ProtocolError(OSError):
@@ -174,16 +180,21 @@ class RespConnection:
                 raise ProtocolError("a reply line is too long")
             self._fill()
 
-    def read_into(self, target: memoryview) -> None:
-        """Fill ``target`` with the next ``len(target)`` bytes of the stream."""
+    def read_into(self, target: memoryview, digest: Digest | None = None) -> None:
+        """Fill ``target`` with the next ``len(target)`` bytes of the stream, feeding
+        ``digest`` each piece as it arrives (hashing overlaps the transfer)."""
         held = min(self._end - self._start, len(target))
         target[:held] = self._view[self._start : self._start + held]
         self._start += held
+        if digest is not None and held:
+            digest.update(target[:held])
         done = held
         while done < len(target):
             got = self._sock.recv_into(target[done:])
             if not got:
                 raise ConnectionResetError("the server closed the connection")
+            if digest is not None:
+                digest.update(target[done : done + got])
             done += got
 
     def skip(self, n: int) -> None:
