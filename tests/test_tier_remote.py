@@ -28,7 +28,7 @@ from tiered_kv.tiers.remote import RemoteTier
 from tiered_kv.tiers.remote_format import header_bytes, key_name, pack_header, payload_digest, read_header
 from tiered_kv.tiers.remote_nodes import Nodes, NodeSettings, Unreachable
 
-from tiered_kv.config import RemoteTierConfig
+from tiered_kv.config import RemoteTierConfig, load_config
 from tiered_kv.errors import ConfigError, CorruptChunk, TierFullError, TierIOError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.testing.valkey_server import ValkeyServer, free_port
@@ -443,6 +443,7 @@ async def test_a_missing_password_source_is_a_config_error(monkeypatch: pytest.M
         {"url": "redis://a:1", "cluster_nodes": ["a:1"]},
         {"url": "http://a:1"},
         {"url": "redis://user:pw@a:1"},
+        {"url": "http://user:pw@a:1/0"},
         {"url": "redis://a:1/0"},
         {"cluster_nodes": ["nohost"]},
         {"url": "redis://a:1", "prefix": ""},
@@ -452,8 +453,10 @@ async def test_a_missing_password_source_is_a_config_error(monkeypatch: pytest.M
     ],
 )
 def test_a_bad_remote_config_names_its_field(fields: dict[str, object]) -> None:
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError) as caught:
         RemoteTierConfig(**fields)  # type: ignore[arg-type]
+    assert caught.value.field
+    assert "pw" not in str(caught.value), "the error repeats no credentials"
 
 
 def test_a_remote_config_gives_its_addresses() -> None:
@@ -542,3 +545,16 @@ async def test_tls_with_the_servers_authority_round_trips_and_another_authority_
             await stranger.close()
     finally:
         front.close()
+
+
+def test_a_remote_section_loads_from_toml_and_a_bad_one_names_field_and_file(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text('[cpu]\ncapacity_bytes = 1024\n[remote]\ncluster_nodes = ["127.0.0.1:7000"]\nprefix = "p"\n')
+    config = load_config(good)
+    assert config.remote is not None and config.remote.addresses() == [("127.0.0.1", 7000)]
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[cpu]\ncapacity_bytes = 1024\n[remote]\nurl = "redis://u:pw@h:1"\n')
+    with pytest.raises(ConfigError) as caught:
+        load_config(bad)
+    assert caught.value.field == "remote.url" and caught.value.source == str(bad)
+    assert "pw" not in str(caught.value), "the error repeats no credentials"

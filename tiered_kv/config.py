@@ -96,13 +96,13 @@ class RemoteTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if (self.url is None) == (not self.cluster_nodes):
             raise ConfigError("give either url or cluster_nodes", field="url")
         if self.url is not None:
-            scheme, sep, rest = self.url.partition("://")
-            if not sep or scheme not in ("redis", "rediss") or not rest or "/" in rest:
-                raise ConfigError(f"expected redis://host:port or rediss://host:port, got {self.url!r}", field="url")
-            if "@" in rest:
+            if "@" in self.url:  # checked first: the other messages repeat the URL
                 raise ConfigError(
                     "must hold no credentials: use username and password_env or password_file", field="url"
                 )
+            scheme, sep, rest = self.url.partition("://")
+            if not sep or scheme not in ("redis", "rediss") or not rest or "/" in rest:
+                raise ConfigError(f"expected redis://host:port or rediss://host:port, got {self.url!r}", field="url")
         for node in self.cluster_nodes:
             host, _, port = node.rpartition(":")
             if not host or not port.isdigit():
