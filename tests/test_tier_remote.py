@@ -558,3 +558,28 @@ def test_a_remote_section_loads_from_toml_and_a_bad_one_names_field_and_file(tmp
         load_config(bad)
     assert caught.value.field == "remote.url" and caught.value.source == str(bad)
     assert "pw" not in str(caught.value), "the error repeats no credentials"
+
+
+async def test_a_tenant_reads_only_what_was_stored_as_its_own(valkey: ValkeyServer) -> None:
+    config = remote_config(valkey)
+    tier = await open_tier(config)  # the model runner's namespace; tenants share the driver
+    tenant_a, tenant_b = make_namespace(cache_salt="a"), make_namespace(lora_id="b")
+    admin = valkey.client()
+    try:
+        data = chunks(2, 64 * KiB, seed=13)
+        assert await tier.write_each(ops(data), namespace=tenant_a) == [True, True]
+        assert await tier.read_each(ops(empty(2, 64 * KiB)), namespace=tenant_b) == [False, False]
+        assert await tier.read_each(ops(empty(2, 64 * KiB))) == [False, False]  # nor the base
+        assert await tier.exists([key(0)], namespace=tenant_a) == [True]
+        # B's name holding A's value (someone copied it): refused by the header, deleted.
+        name = lambda ns: key_name(config.prefix.encode(), ns.fingerprint_hex, 0, key(0))  # noqa: E731
+        admin.set(name(tenant_b), admin.get(name(tenant_a)))
+        assert await tier.read_each(ops(empty(1, 64 * KiB)), namespace=tenant_b) == [False]
+        assert admin.exists(name(tenant_b)) == 0
+        out = empty(2, 64 * KiB)
+        assert await tier.read_each(ops(out), namespace=tenant_a) == [True, True]
+        assert_exact_where_found([True, True], out, data)
+        with pytest.raises(ValueError, match="not a tenant"):
+            await tier.read_each(ops(out), namespace=make_namespace(model_id="other/model"))
+    finally:
+        await tier.close()

@@ -154,20 +154,24 @@ class RemoteTier(TierDriver, Protocol):
     miss. The per-op calls never raise for a miss or an I/O failure: they report it.
     """
 
-    async def read_each(self, ops: Sequence[TransferOp]) -> list[bool]:
-        """Read each op's chunk into its buffer: true where it arrived verified."""
+    async def read_each(self, ops: Sequence[TransferOp], *, namespace: Namespace | None = None) -> list[bool]:
+        """Read each op's chunk of ``namespace`` into its buffer: true where it arrived
+        verified. ``namespace`` is a tenant (LoRA adapter, cache salt) of the namespace
+        the tier was opened for, by default that one: a tenant reads only what was stored
+        as its own, as in the local tiers."""
         ...
 
-    async def write_each(self, ops: Sequence[TransferOp]) -> list[bool]:
-        """Store each op's chunk: true where the store took it."""
+    async def write_each(self, ops: Sequence[TransferOp], *, namespace: Namespace | None = None) -> list[bool]:
+        """Store each op's chunk as ``namespace``'s: true where the store took it."""
         ...
 
-    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Whether the store holds each key now (false where it cannot be asked)."""
+    async def exists(self, keys: Sequence[ChunkKey], *, namespace: Namespace | None = None) -> list[bool]:
+        """Whether the store holds each of ``namespace``'s keys now (false where it
+        cannot be asked)."""
         ...
 
-    async def delete(self, keys: Sequence[ChunkKey]) -> None:
-        """Delete the keys, best effort."""
+    async def delete(self, keys: Sequence[ChunkKey], *, namespace: Namespace | None = None) -> None:
+        """Delete ``namespace``'s keys, best effort."""
         ...
 
     def remote_statistics(self) -> RemoteTierStats: ...

@@ -79,11 +79,13 @@ class Outcome(enum.Enum):
 
 
 class _Item:
-    __slots__ = ("name", "op")
+    __slots__ = ("fingerprint", "name", "op")
 
-    def __init__(self, name: bytes, op: TransferOp | None) -> None:
+    def __init__(self, name: bytes, op: TransferOp | None, fingerprint: bytes) -> None:
         self.name = name
         self.op = op
+        #: The namespace the value belongs to (bound in its name and its header).
+        self.fingerprint = fingerprint
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -125,8 +127,7 @@ class _Verb(Protocol):
 
 
 class _Get:
-    def __init__(self, fingerprint: bytes, group: int) -> None:
-        self.fingerprint = fingerprint
+    def __init__(self, group: int) -> None:
         self.group = group
 
     def request(self, item: _Item) -> list[bytes | memoryview]:
@@ -147,7 +148,7 @@ class _Get:
         raw = bytearray(size)
         conn.read_into(memoryview(raw))
         try:
-            length, checksum = read_header(raw, fingerprint=self.fingerprint, group=self.group, key=key)
+            length, checksum = read_header(raw, fingerprint=item.fingerprint, group=self.group, key=key)
         except CorruptChunk:
             return _drop(conn, n - size, n)
         if length != len(target):
@@ -173,15 +174,14 @@ def _drop(conn: RespConnection, rest: int, expected: int) -> Outcome:
 
 
 class _Set:
-    def __init__(self, fingerprint: bytes, group: int) -> None:
-        self.fingerprint = fingerprint
+    def __init__(self, group: int) -> None:
         self.group = group
 
     def request(self, item: _Item) -> list[bytes | memoryview]:
         assert item.op is not None
         payload = _bytes_of(item.op.buffer)
         header = pack_header(
-            fingerprint=self.fingerprint,
+            fingerprint=item.fingerprint,
             group=self.group,
             key=item.op.key,
             length=len(payload),
@@ -303,12 +303,11 @@ class RemoteTier(DriverBase):
         self.group = group
         self.prefix = prefix
         self.io_depth = io_depth
-        self._fingerprint = namespace.fingerprint
-        self._fingerprint_hex = namespace.fingerprint_hex
+        self.namespace = namespace
         self._prefix = prefix.encode()
         self._pool = pool
-        self._get = _Get(self._fingerprint, group)
-        self._set = _Set(self._fingerprint, group)
+        self._get = _Get(group)
+        self._set = _Set(group)
         self._lock = threading.Lock()
         self._outcomes = dict.fromkeys(Outcome, 0)
         self._redirects = 0
@@ -361,22 +360,27 @@ class RemoteTier(DriverBase):
         """Store every op's chunk; raise for the first op the server did not take."""
         _raise_first(await self._run(self._set, self._items(ops, write=True)))
 
-    async def read_each(self, ops: Sequence[TransferOp]) -> list[bool]:
-        """Read every op's chunk: true where its buffer now holds the verified chunk;
-        false where the server has none (absent, evicted, corrupt) or could not be read."""
-        return [o is Outcome.OK for o in await self._run(self._get, self._items(ops, write=False))]
+    async def read_each(self, ops: Sequence[TransferOp], *, namespace: Namespace | None = None) -> list[bool]:
+        """Read every op's chunk of ``namespace`` (a tenant of the driver's namespace;
+        by default that one): true where its buffer now holds the verified chunk; false
+        where the server has none (absent, evicted, corrupt) or could not be read."""
+        items = self._items(ops, write=False, namespace=namespace)
+        return [o is Outcome.OK for o in await self._run(self._get, items)]
 
-    async def write_each(self, ops: Sequence[TransferOp]) -> list[bool]:
-        """Store every op's chunk: true where the server took it."""
-        return [o is Outcome.OK for o in await self._run(self._set, self._items(ops, write=True))]
+    async def write_each(self, ops: Sequence[TransferOp], *, namespace: Namespace | None = None) -> list[bool]:
+        """Store every op's chunk as ``namespace``'s: true where the server took it."""
+        items = self._items(ops, write=True, namespace=namespace)
+        return [o is Outcome.OK for o in await self._run(self._set, items)]
 
-    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Whether the server holds each key now (false also where it cannot be asked)."""
-        return [o is Outcome.OK for o in await self._run(_EXISTS, self._names(keys))]
+    async def exists(self, keys: Sequence[ChunkKey], *, namespace: Namespace | None = None) -> list[bool]:
+        """Whether the server holds each of ``namespace``'s keys now (false also where it
+        cannot be asked)."""
+        return [o is Outcome.OK for o in await self._run(_EXISTS, self._names(keys, namespace))]
 
-    async def delete(self, keys: Sequence[ChunkKey]) -> None:
-        """Delete the keys (best effort: a key the server cannot be reached for stays)."""
-        await self._run(_UNLINK, self._names(keys))
+    async def delete(self, keys: Sequence[ChunkKey], *, namespace: Namespace | None = None) -> None:
+        """Delete ``namespace``'s keys (best effort: a key the server cannot be reached
+        for stays)."""
+        await self._run(_UNLINK, self._names(keys, namespace))
 
     async def raw(self, ops: Sequence[TransferOp], *, write: bool) -> None:
         """For benchmarks, the client's own limit: the ops' buffers as bare values (no
@@ -465,12 +469,24 @@ class RemoteTier(DriverBase):
         return f"<RemoteTier {kind} {where} prefix={self.prefix!r} g{self.group} io_depth={self.io_depth}>"
 
     # -- batches -----------------------------------------------------------------------------
-    def _names(self, keys: Sequence[ChunkKey]) -> list[_Item]:
-        self._check_open()
-        return [_Item(key_name(self._prefix, self._fingerprint_hex, self.group, key), None) for key in keys]
+    def _tenant(self, namespace: Namespace | None) -> Namespace:
+        """``namespace``, which must share the driver's chunks' shape (a tenant of it)."""
+        if namespace is None or namespace is self.namespace:
+            return self.namespace
+        if namespace.base.fingerprint != self.namespace.base.fingerprint:
+            raise ValueError(f"namespace {namespace.model_id} is not a tenant of this tier's model runner")
+        return namespace
 
-    def _items(self, ops: Sequence[TransferOp], *, write: bool) -> list[_Item]:
+    def _names(self, keys: Sequence[ChunkKey], namespace: Namespace | None) -> list[_Item]:
         self._check_open()
+        tenant = self._tenant(namespace)
+        fingerprint, hexed = tenant.fingerprint, tenant.fingerprint_hex
+        return [_Item(key_name(self._prefix, hexed, self.group, key), None, fingerprint) for key in keys]
+
+    def _items(self, ops: Sequence[TransferOp], *, write: bool, namespace: Namespace | None = None) -> list[_Item]:
+        self._check_open()
+        tenant = self._tenant(namespace)
+        fingerprint, hexed = tenant.fingerprint, tenant.fingerprint_hex
         for op in ops:
             check_buffer(op.buffer, max_bytes=self.slot_bytes)
             if op.slot != -1 or op.blocks:
@@ -479,7 +495,7 @@ class RemoteTier(DriverBase):
                 raise ValueError(f"a chunk key has 1 to {MAX_KEY_BYTES} bytes, got {len(op.key)}")
         if write and len({op.key for op in ops}) != len(ops):
             raise ValueError("a batch writes the same key twice")
-        return [_Item(key_name(self._prefix, self._fingerprint_hex, self.group, op.key), op) for op in ops]
+        return [_Item(key_name(self._prefix, hexed, self.group, op.key), op, fingerprint) for op in ops]
 
     async def _run(self, verb: _Verb, items: list[_Item], *, count: bool = True) -> list[Outcome]:
         """``verb`` over ``items`` on the driver threads; the outcome of each, in order."""
