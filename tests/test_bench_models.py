@@ -16,6 +16,7 @@ from tiered_kv.bench.tiers import MiB, chunk_geometry
 from tiered_kv.cli import main
 from tiered_kv.cli_errors import UsageError
 from tiered_kv.layout import AttentionKind
+from tiered_kv.testing.valkey_server import missing
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -79,7 +80,9 @@ def test_a_tiers_chunk_is_whole_blocks_and_whole_pages_near_its_size(name: str, 
 def test_bench_tiers_moves_chunks_of_mla_and_hybrid_presets(tmp_path: Path, model: str) -> None:
     out = tmp_path / "bench.json"
     args = ["bench", "tiers", "--model", model, "--chunk-mib", "1", "--tier-mem-mib", "1", "--tier-disk-mib", "1"]
+    args += ["--tier-remote-mib", "1"]
     assert main([*args, "--tier-repeats", "1", "--io-depth", "2", "--nvme-dir", str(tmp_path), "--json", str(out)]) == 0
     figures = json.loads(out.read_text())["tiers"]
     expected = chunk_geometry(PRESETS[model].largest_group(), MiB).chunk_bytes()
-    assert len(figures) == 10 and {f["chunk_bytes"] for f in figures} == {expected}
+    remote_rows = 0 if missing() else 2  # cpu->remote and remote->cpu when a valkey-server is at hand
+    assert len(figures) == 10 + remote_rows and {f["chunk_bytes"] for f in figures} == {expected}

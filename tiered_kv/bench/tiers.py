@@ -60,6 +60,8 @@ TARGETS = {
     "nvme->cpu": 0.80,
     MANAGER_CPU: 0.80,
     MANAGER_NVME: 0.80,
+    "cpu->remote": 0.80,
+    "remote->cpu": 0.80,
 }
 
 
@@ -109,7 +111,11 @@ class TiersSection:
         parser.add_argument("--tier-mem-mib", type=int, default=512, help="MiB per memory pass (default 512)")
         parser.add_argument("--tier-disk-mib", type=int, default=512, help="MiB per disk pass (default 512)")
         parser.add_argument("--tier-repeats", type=int, default=5, help="timed passes per path (default 5)")
-        parser.add_argument("--io-depth", type=int, default=8, help="concurrent disk I/Os (default 8)")
+        parser.add_argument("--io-depth", type=int, default=8, help="concurrent disk and remote I/Os (default 8)")
+        parser.add_argument(
+            "--remote-url", help="a Valkey/Redis server for the remote rows (default: start a local valkey-server)"
+        )
+        parser.add_argument("--tier-remote-mib", type=int, default=256, help="MiB per remote pass (default 256)")
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
         from tiered_kv.bench.probe import filesystem
@@ -138,13 +144,15 @@ class TiersSection:
             headers=["path", "layout", "chunk", "limit", "driver", "ratio", "target", "limit measured as"],
             rows=rows,
             note=f"disk files in {where} ({filesystem(where)})"
-            + ("; gpu paths run on a CPU stand-in without CUDA" if gpu_device() == "cpu" else ""),
+            + ("; gpu paths run on a CPU stand-in without CUDA" if gpu_device() == "cpu" else "")
+            + ("" if any(f.path == "cpu->remote" for f in figures) else "; no remote rows: no server at hand"),
         )
         return SectionResult(payload=msgspec.to_builtins(figures), tables=[table])
 
     async def _run(
         self, args: argparse.Namespace, geometries: list[KVGeometry], progress: Progress
     ) -> list[TierFigure]:
+        from tiered_kv.bench import remote
         from tiered_kv.bench.tier_paths import disk_paths, memory_paths
 
         figures: list[TierFigure] = []
@@ -158,5 +166,6 @@ class TiersSection:
                 figures += await disk_paths(
                     geometry, args.tier_disk_mib * MiB, args.io_depth, args.tier_repeats, Path(tmp)
                 )
+                figures += await remote.remote_figures(args, geometry) or []
             progress.step(steps, steps, "done")
         return figures
