@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from tiered_kv.arguments import require_namespace
 from tiered_kv.config import NamespacePolicyConfig, WritePolicy
-from tiered_kv.directory import LeaseEpoch, Reservation, State, TierIndex, Victim
+from tiered_kv.directory import PENDING, READY, LeaseEpoch, Reservation, TierIndex, Victim
 from tiered_kv.errors import BlockTableError, ChunkKeyError, ConfigError, NamespaceError
 from tiered_kv.interfaces import AdmissionFilter
 from tiered_kv.keys import ChunkKey
@@ -89,28 +89,26 @@ class Pool:
 
     def state(self, key: ChunkKey, namespace: str) -> ChunkState:
         """Where ``namespace`` can read ``key`` from now."""
-        entry = self.cpu.get(key)
-        if entry is not None and entry.namespace == namespace:
-            return ChunkState.CPU_READY if self.cpu.is_ready(key) else ChunkState.CPU_PENDING
+        in_cpu = self.cpu.state_for(key, namespace)
+        if in_cpu == READY:
+            return ChunkState.CPU_READY
+        if in_cpu == PENDING:
+            return ChunkState.CPU_PENDING
         if self.nvme is not None and self.nvme.ready_for(key, namespace):
             return ChunkState.NVME_READY
         return ChunkState.ABSENT
 
     def ready_prefix(self, keys: Sequence[ChunkKey], namespace: str, n: int) -> tuple[int, int]:
         """How many of ``keys[:n]`` are ready for ``namespace`` in some tier, from the
-        first, and how many of those only nvme holds. The lookup hot path: one dict
-        probe per key per tier."""
-        ready = State.READY
-        in_cpu = self.cpu.entries.get
-        in_nvme = self.nvme.entries.get if self.nvme is not None else None
+        first, and how many of those only nvme holds (the lookup hot path)."""
+        in_cpu = self.cpu.ready_for
+        in_nvme = self.nvme.ready_for if self.nvme is not None else None
         from_nvme = 0
         for i in range(n):
             key = keys[i]
-            entry = in_cpu(key)
-            if entry is not None and entry.state is ready and entry.namespace == namespace:
+            if in_cpu(key, namespace):
                 continue
-            entry = in_nvme(key) if in_nvme is not None else None
-            if entry is None or entry.state is not ready or entry.namespace != namespace:
+            if in_nvme is None or not in_nvme(key, namespace):
                 return i, from_nvme
             from_nvme += 1
         return n, from_nvme
@@ -211,7 +209,8 @@ class ControlPlane:
             cpu = TierIndex("cpu", TierPartition("cpu", cpu_slots, clock=self._clock), self._epoch)
             nvme = None
             if nvme_slots:
-                nvme = TierIndex("nvme", TierPartition("nvme", nvme_slots, clock=self._clock), self._epoch)
+                # Leases and hit counts serve the cpu tier (loads pin there; selective writes).
+                nvme = TierIndex("nvme", TierPartition("nvme", nvme_slots, clock=self._clock), count_hits=False)
             admission = None
             if policy.admission is not None:
                 # It remembers a few times more chunks than the tiers hold: a chunk worth
@@ -534,9 +533,8 @@ class ControlPlane:
             self.telemetry.emit(KVEventKind.STORED, "cpu", promotion.namespace, pool.group, key)
             return []
         pool.cpu.drop(key)
-        entry = pool.nvme.get(key)
-        if outcome is PromotionOutcome.CORRUPT and entry is not None and not entry.pins:
-            self.telemetry.emit(KVEventKind.REMOVED, "nvme", entry.namespace, pool.group, key)
+        if outcome is PromotionOutcome.CORRUPT and key in pool.nvme and not pool.nvme.pins(key):
+            self.telemetry.emit(KVEventKind.REMOVED, "nvme", pool.nvme.namespace(key), pool.group, key)
             return [pool.nvme.drop(key)]
         return []
 

@@ -551,9 +551,7 @@ class TieredKV:
                 if not promoted:
                     break
                 pinned.append((pool, key))
-            entry = pool.cpu.get(key)
-            assert entry is not None
-            slots.append(entry.slot)
+            slots.append(pool.cpu.slot(key))
             tier = "nvme" if task is not None else "cpu"
             self._telemetry.loaded[tier] += 1
             sources[tier] += 1
