@@ -344,6 +344,9 @@ class NvmeTier(DriverBase):
             await self._io(self._write_one, ops)
             for op in ops:
                 self._chunks[op.slot] = op.key
+            # Counted when the slots are recorded: a save that started before this
+            # point did not see them, so this write's own save must not be skipped.
+            self._changes += 1
             try:
                 await self._save_manifest()
             except BaseException:
