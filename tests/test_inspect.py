@@ -311,3 +311,28 @@ def test_the_console_command_exits_1_on_a_corrupt_store(store: Path) -> None:
     assert result.returncode == 1, result.stderr
     assert "model acme/hybrid" in result.stdout
     assert f"corrupt: group 1: slot 1: payload checksum mismatch (key {key(1, 1).hex()})" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["g0.slots", "g0.manifest", "namespace.json"])
+def test_a_store_file_that_is_a_link_is_damage_and_is_not_followed(
+    store: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    (store_dir(store) / name).rename(elsewhere)
+    (store_dir(store) / name).symlink_to(elsewhere)
+    code, report, _ = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    where = "" if name == "namespace.json" else "group 0: "
+    assert f"problem: {where}{name} is a symbolic link: opening this store is refused" in damage_lines(report)
+
+
+def test_a_store_directory_that_is_a_link_is_damage_and_is_not_followed(
+    store: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    store_dir(store).rename(elsewhere)
+    store_dir(store).symlink_to(elsewhere, target_is_directory=True)
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    assert damage_lines(report) == ["problem: it is a symbolic link: opening this store is refused"]
+    assert [entry["groups"] for entry in document["stores"]] == [[]]

@@ -299,7 +299,7 @@ async def test_a_read_error_is_a_tier_io_error(tmp_path: Path, monkeypatch: pyte
 async def test_a_failed_manifest_save_fails_the_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = await open_store(tmp_path)
 
-    def broken(*args: Any) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "replace", broken)
@@ -357,9 +357,9 @@ async def test_concurrent_writes_share_manifest_saves(tmp_path: Path, monkeypatc
     real_replace = os.replace
     saves = []
 
-    def counted(*args: Any) -> None:
+    def counted(*args: Any, **kwargs: Any) -> None:
         saves.append(args)
-        real_replace(*args)
+        real_replace(*args, **kwargs)
 
     monkeypatch.setattr(os, "replace", counted)
     await asyncio.gather(*(tier.write([op(s, data(s))]) for s in range(SLOTS)))

@@ -24,6 +24,7 @@ from tiered_kv.errors import (
     TieredKVError,
     TierError,
     UnknownPluginError,
+    UnsafeStore,
 )
 from tiered_kv.keys import (
     ChunkKey,
@@ -71,6 +72,7 @@ __all__ = [
     "TieredKVConfig",
     "TieredKVError",
     "UnknownPluginError",
+    "UnsafeStore",
     "WritePolicy",
     "block_hashes",
     "chunk_keys",

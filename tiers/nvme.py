@@ -1,6 +1,7 @@
 """The nvme tier: chunk slots in a preallocated file on local disk, verified on every read.
 
-Under ``<root>/<namespace.dir_name>/`` (directory 0700, files 0600) ``namespace.json``
+Under ``<root>/<namespace.dir_name>/`` (directory 0700, files 0600, no link followed,
+see :mod:`tiered_kv.tiers.nvme_files`) ``namespace.json``
 records the namespace (written by the first open, checked by every later one), and each
 KV group ``g`` has ``g<g>.slots`` (``num_slots`` slots, each a 4 KiB header then the
 payload padded to 4 KiB, see :mod:`tiered_kv.tiers.nvme_format`), ``g<g>.manifest`` (which slot
@@ -59,6 +60,7 @@ from tiered_kv.tiers._driver import (
     tier_error,
     worker_pool,
 )
+from tiered_kv.tiers.nvme_files import open_file, open_root, open_store_dir, read_file, replace_file
 from tiered_kv.tiers.nvme_format import (
     HEADER_BYTES,
     MAX_KEY_BYTES,
@@ -113,13 +115,13 @@ class _Lane(threading.local):
         return self.staging[:nbytes]
 
 
-def _open_slots(path: Path, size: int, direct_io: bool | None) -> tuple[int, bool]:
+def _open_slots(dir_fd: int, name: str, path: str, size: int, direct_io: bool | None) -> tuple[int, bool]:
     """The slots file, sized to ``size`` bytes: ``(fd, whether it does O_DIRECT)``."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+    flags = os.O_RDWR | os.O_CREAT
     fd = -1
     if direct_io is not False:
         try:
-            fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            fd = open_file(dir_fd, name, path, flags | os.O_DIRECT)
             _size(fd, size, path)
             probe = mmap.mmap(-1, PAGE)
             os.preadv(fd, [probe], 0)  # some filesystems accept the flag, then refuse the I/O
@@ -128,10 +130,10 @@ def _open_slots(path: Path, size: int, direct_io: bool | None) -> tuple[int, boo
                 os.close(fd)
             if exc.errno != errno.EINVAL or direct_io:
                 raise
-            log.warning("nvme.direct_io_unavailable", path=str(path), reason=exc.strerror)
+            log.warning("nvme.direct_io_unavailable", path=path, reason=exc.strerror)
         else:
             return fd, True
-    fd = os.open(path, flags, 0o600)
+    fd = open_file(dir_fd, name, path, flags)
     try:
         _size(fd, size, path)
     except BaseException:
@@ -140,8 +142,7 @@ def _open_slots(path: Path, size: int, direct_io: bool | None) -> tuple[int, boo
     return fd, False
 
 
-def _size(fd: int, size: int, path: Path) -> None:
-    os.fchmod(fd, 0o600)
+def _size(fd: int, size: int, path: str) -> None:
     have = os.fstat(fd).st_size
     if have > size:
         os.ftruncate(fd, size)
@@ -151,31 +152,11 @@ def _size(fd: int, size: int, path: Path) -> None:
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 raise
-            log.warning("nvme.preallocate_unavailable", path=str(path), reason=exc.strerror)
+            log.warning("nvme.preallocate_unavailable", path=path, reason=exc.strerror)
             os.ftruncate(fd, size)
 
 
-def _replace(path: Path, data: bytes, *, tmp: Path) -> None:
-    """Make ``data`` the content of ``path`` (0600) all at once, also across a crash:
-    written to ``tmp``, synced, renamed over ``path``, then the directory synced."""
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _claim(directory: Path, namespace: Namespace, group: int) -> None:
+def _claim(dir_fd: int, directory: Path, namespace: Namespace, group: int) -> None:
     """Record ``namespace`` in its store directory, or check that the record there is of it.
 
     Called holding group ``group``'s lock, so the temporary file named after the group is
@@ -183,10 +164,12 @@ def _claim(directory: Path, namespace: Namespace, group: int) -> None:
     """
     path = directory / NAMESPACE_FILE
     try:
-        recorded = decode_namespace(path.read_bytes())
+        recorded = decode_namespace(read_file(dir_fd, NAMESPACE_FILE, str(path)))
     except FileNotFoundError:
         try:
-            _replace(path, encode_namespace(namespace), tmp=directory / f"{NAMESPACE_FILE}.g{group}.tmp")
+            replace_file(
+                dir_fd, NAMESPACE_FILE, encode_namespace(namespace), str(path), tmp=f"{NAMESPACE_FILE}.g{group}.tmp"
+            )
         except OSError as exc:
             raise tier_error("nvme", f"cannot record the namespace in {path}", exc) from exc
         return
@@ -214,6 +197,7 @@ class NvmeTier(DriverBase):
         slot_bytes: int,
         num_slots: int,
         io_depth: int,
+        dir_fd: int,
         fd: int,
         lock_fd: int,
         direct: bool,
@@ -226,11 +210,13 @@ class NvmeTier(DriverBase):
         self.direct = direct
         self.slot_stride = slot_stride(slot_bytes)
         self._fingerprint = namespace.fingerprint
+        self._dir_fd = dir_fd
         self._fd = fd
         self._lock_fd = lock_fd
         self._pool = pool
         self._lanes = _Lane()
-        self._manifest_path = group_file(directory, group, "manifest")
+        self._manifest_name = group_file(group, "manifest")
+        self._manifest_path = directory / self._manifest_name
         #: slot → key of every chunk a read may return (written here, or recovered).
         self._chunks: dict[int, ChunkKey] = {}
         self._recovered: dict[ChunkKey, int] = {}
@@ -263,8 +249,10 @@ class NvmeTier(DriverBase):
         directory = Path(root) / namespace.dir_name
         pool = worker_pool("nvme", io_depth)
         try:
-            [(fd, lock_fd, direct)] = await in_threads(
-                pool, cls._open_files, [(directory, namespace, group, slot_stride(slot_bytes) * num_slots, direct_io)]
+            [(dir_fd, fd, lock_fd, direct)] = await in_threads(
+                pool,
+                cls._open_files,
+                [(Path(root), namespace, group, slot_stride(slot_bytes) * num_slots, direct_io)],
             )
         except BaseException:
             pool.shutdown(wait=False)
@@ -276,6 +264,7 @@ class NvmeTier(DriverBase):
             slot_bytes=slot_bytes,
             num_slots=num_slots,
             io_depth=io_depth,
+            dir_fd=dir_fd,
             fd=fd,
             lock_fd=lock_fd,
             direct=direct,
@@ -306,27 +295,36 @@ class NvmeTier(DriverBase):
 
     @staticmethod
     def _open_files(
-        directory: Path, namespace: Namespace, group: int, size: int, direct_io: bool | None
-    ) -> tuple[int, int, bool]:
+        root: Path, namespace: Namespace, group: int, size: int, direct_io: bool | None
+    ) -> tuple[int, int, int, bool]:
+        """``(store directory, slots file, lock file, O_DIRECT)``, all checked (see
+        :mod:`tiered_kv.tiers.nvme_files`)."""
+        directory = root / namespace.dir_name
         try:
-            directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            directory.mkdir(mode=0o700, exist_ok=True)
-            os.chmod(directory, 0o700)
-            lock_fd = os.open(group_file(directory, group, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            root_fd = open_root(root)
+            try:
+                dir_fd = open_store_dir(root_fd, namespace.dir_name, str(directory))
+            finally:
+                os.close(root_fd)
         except OSError as exc:
             raise tier_error("nvme", f"cannot create {directory}", exc) from exc
+        opened: list[int] = [dir_fd]
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _claim(directory, namespace, group)
-            fd, direct = _open_slots(group_file(directory, group, "slots"), size, direct_io)
+            lock = group_file(group, "lock")
+            opened.append(open_file(dir_fd, lock, str(directory / lock), os.O_RDWR | os.O_CREAT))
+            fcntl.flock(opened[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _claim(dir_fd, directory, namespace, group)
+            slots = group_file(group, "slots")
+            fd, direct = _open_slots(dir_fd, slots, str(directory / slots), size, direct_io)
         except BaseException as exc:
-            os.close(lock_fd)
+            for fd in opened:
+                os.close(fd)
             if isinstance(exc, BlockingIOError):
                 raise TierIOError(f"{directory} group {group} is in use by another process", tier="nvme") from exc
             if isinstance(exc, OSError):
                 raise tier_error("nvme", f"cannot open the slots of {directory}", exc) from exc
             raise
-        return fd, lock_fd, direct
+        return dir_fd, fd, opened[1], direct
 
     # -- the driver protocol -------------------------------------------------------------
     async def write(self, ops: Sequence[TransferOp]) -> None:
@@ -388,6 +386,7 @@ class NvmeTier(DriverBase):
         await shutdown(self._pool)
         os.close(self._fd)
         os.close(self._lock_fd)
+        os.close(self._dir_fd)
 
     # -- nvme-specific -------------------------------------------------------------------
     def recovered(self) -> dict[ChunkKey, int]:
@@ -494,11 +493,12 @@ class NvmeTier(DriverBase):
         return True
 
     # -- manifest and recovery ---------------------------------------------------------------
-    def _load_manifest(self) -> dict[int, ChunkKey]:
+    def _load_manifest(self) -> dict[int, ChunkKey] | None:
+        """The manifest's slot map (empty when it is unusable); None when there is none."""
         try:
-            manifest = decode_manifest(self._manifest_path.read_bytes())
+            manifest = decode_manifest(read_file(self._dir_fd, self._manifest_name, str(self._manifest_path)))
         except FileNotFoundError:
-            return {}
+            return None
         except (OSError, msgspec.DecodeError) as exc:
             log.warning("nvme.manifest_unreadable", path=str(self._manifest_path), reason=str(exc))
             return {}
@@ -513,12 +513,13 @@ class NvmeTier(DriverBase):
 
     async def _recover(self) -> None:
         started = time.perf_counter()
-        [listed] = await in_threads(self._pool, self._load_manifest, [()])
+        [found] = await in_threads(self._pool, self._load_manifest, [()])
+        listed = found or {}
         items = sorted(listed.items())
         good = await in_threads(self._pool, self._verify, items)
         self._chunks = {slot: key for (slot, key), ok in zip(items, good, strict=True) if ok}
         self._recovered = {key: slot for slot, key in self._chunks.items()}
-        if len(self._chunks) != len(listed) or not self._manifest_path.exists():
+        if len(self._chunks) != len(listed) or found is None:
             self._changes += 1
             await self._save_manifest()
         log.info(
@@ -555,6 +556,8 @@ class NvmeTier(DriverBase):
 
     def _replace_manifest(self, data: bytes) -> None:
         try:
-            _replace(self._manifest_path, data, tmp=self._manifest_path.with_suffix(".tmp"))
+            replace_file(
+                self._dir_fd, self._manifest_name, data, str(self._manifest_path), tmp=group_file(self.group, "tmp")
+            )
         except OSError as exc:
             raise tier_error(self.name, "saving the manifest", exc) from exc

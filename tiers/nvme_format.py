@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 import struct
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Literal
 
 import msgspec
@@ -48,14 +48,16 @@ _TIER = "nvme"
 _GROUP_FILE = re.compile(r"g(\d+)\.(?:slots|manifest)")
 
 
-def group_file(directory: Path, group: int, kind: Literal["slots", "manifest", "lock"]) -> Path:
-    """The slots file, manifest or lock file of KV group ``group`` in a store directory."""
-    return directory / f"g{group}.{kind}"
+def group_file(group: int, kind: Literal["slots", "manifest", "lock", "tmp"]) -> str:
+    """The name of KV group ``group``'s slots file, manifest, lock file or temporary file
+    in its store directory."""
+    return f"g{group}.{kind}"
 
 
-def store_groups(directory: Path) -> list[int]:
-    """The KV groups that have a slots file or a manifest in ``directory``, in order."""
-    return sorted({int(match[1]) for path in directory.iterdir() if (match := _GROUP_FILE.fullmatch(path.name))})
+def store_groups(names: Iterable[str]) -> list[int]:
+    """The KV groups that have a slots file or a manifest among a store directory's file
+    ``names``, in order."""
+    return sorted({int(match[1]) for name in names if (match := _GROUP_FILE.fullmatch(name))})
 
 
 def slot_stride(slot_bytes: int) -> int:
