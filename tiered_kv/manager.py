@@ -86,6 +86,10 @@ class RecoverableTier(TierDriver, Protocol):
         """Stop vouching for what ``slots`` hold (the core dropped those chunks)."""
         ...
 
+    async def sync(self) -> None:
+        """Make every write that has returned durable (:meth:`TieredKV.drain` awaits it)."""
+        ...
+
 
 class TierFactory(Protocol):
     """Builds the drivers of one pool; injected so tests and benches can swap media."""
@@ -1025,9 +1029,13 @@ class TieredKV:
         self._check()
 
     async def drain(self) -> None:
-        """Return once every background copy (stores, write-behind, promotions) is done."""
+        """Return once every background copy (stores, write-behind, promotions) is done
+        and every chunk stored so far is durable."""
         self._check()
         await self._scheduler.drain()
+        for pool in list(self._pools.values()):
+            if pool.nvme is not None:
+                await pool.nvme.sync()
         self._check()
 
     # -- observation -------------------------------------------------------------------

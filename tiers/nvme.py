@@ -370,6 +370,12 @@ class NvmeTier(DriverBase):
             await self._io(self._read_one, ops)
         self._count(read=True, ops=len(ops), nbytes=nbytes)
 
+    async def sync(self) -> None:
+        """Make every write that has returned, and every forget, durable: a forget is
+        recorded by the next save, which this is when none has come since."""
+        self._check_open()
+        await self._save_manifest()
+
     async def close(self) -> None:
         """Wait for I/O in flight, save the manifest, release the files and the lock."""
         if self._closed:
