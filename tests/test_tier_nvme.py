@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import torch
 from conftest import make_namespace
+from nvme_snapshot import crash_copy
 from structlog.testing import capture_logs
 from tiered_kv.tiers.nvme import NvmeTier
 from tiered_kv.tiers.nvme_format import HEADER_BYTES, decode_namespace, encode_namespace
 
-from tiered_kv.errors import CorruptChunk, CorruptStore, TierFullError, TierIOError
+from tiered_kv.errors import ChunkKeyError, CorruptChunk, CorruptStore, TierFullError, TierIOError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.namespace import Namespace
 
@@ -91,7 +92,7 @@ DAMAGES = {
 
 
 @pytest.mark.parametrize("where", list(DAMAGES))
-async def test_a_damaged_slot_is_refused_and_dropped_on_reopen(tmp_path: Path, where: str) -> None:
+async def test_a_damaged_slot_is_refused_before_and_after_a_reopen(tmp_path: Path, where: str) -> None:
     tier = await open_store(tmp_path)
     await fill(tier, range(3))
     offset, replacement = DAMAGES[where]
@@ -101,9 +102,29 @@ async def test_a_damaged_slot_is_refused_and_dropped_on_reopen(tmp_path: Path, w
     assert tier.statistics().errors == 1
     await tier.close()
     tier = await open_store(tmp_path)
-    assert tier.recovered() == {key(0): 0, key(2): 2}
+    assert tier.recovered() == {key(s): s for s in range(3)}, "a reopen reads no payload: the slot map lists it"
     with pytest.raises(CorruptChunk):
         await read_back(tier, 1)
+    assert torch.equal(await read_back(tier, 2), data(2))
+    await tier.close()
+
+
+async def test_a_reopen_reads_the_slot_map_and_no_payload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = await open_store(tmp_path)
+    await fill(tier, range(SLOTS))
+    await tier.close()
+    real_preadv = os.preadv
+    read: list[int] = []
+
+    def counted(fd: int, buffers: Any, offset: int) -> int:
+        done = real_preadv(fd, buffers, offset)
+        read.append(done)
+        return done
+
+    monkeypatch.setattr(os, "preadv", counted)
+    tier = await open_store(tmp_path)
+    assert len(tier.recovered()) == SLOTS
+    assert sum(read) <= 4096, "only the O_DIRECT probe reads the slots file"
     await tier.close()
 
 
@@ -119,18 +140,21 @@ async def test_a_slot_copied_to_another_place_is_refused(tmp_path: Path) -> None
         await read_back(tier, 2, version=0)
     await tier.close()
     tier = await open_store(tmp_path)
-    assert sorted(tier.recovered().values()) == [0, 1]
+    with pytest.raises(CorruptChunk, match="written for slot 0"):
+        await read_back(tier, 2, version=0)
     await tier.close()
 
 
-async def test_recovery_checks_the_last_byte_of_a_large_chunk(tmp_path: Path) -> None:
-    big = (1 << 20) + 3 * 4096  # more than one recovery read
+async def test_a_read_checks_the_last_byte_of_a_large_chunk(tmp_path: Path) -> None:
+    big = (1 << 20) + 3 * 4096
     tier = await open_store(tmp_path, slot_bytes=big, num_slots=2)
     await tier.write([op(s, data(s, nbytes=big)) for s in range(2)])
     damage(tier, 1, HEADER_BYTES + big - 1, b"\x00" if int(data(1, nbytes=big)[-1]) else b"\x01")
-    await tier.close()
-    tier = await open_store(tmp_path, slot_bytes=big, num_slots=2)
-    assert tier.recovered() == {key(0): 0}
+    out = torch.zeros(big, dtype=torch.uint8)
+    with pytest.raises(CorruptChunk, match="checksum"):
+        await tier.read([op(1, out)])
+    await tier.read([op(0, out)])
+    assert torch.equal(out, data(0, nbytes=big))
     await tier.close()
 
 
@@ -143,28 +167,19 @@ async def test_another_namespace_never_reads_these_chunks(tmp_path: Path) -> Non
     (tmp_path / mine.dir_name).rename(tmp_path / theirs.dir_name)
     with pytest.raises(CorruptStore, match="records acme/tiny@r1"):
         await open_store(tmp_path, theirs)
-    # Without the namespace record (a store from before stores kept one), the manifest
+    # Without the namespace record (a store from before stores kept one), the slot map
     # and every slot header still name the namespace that wrote them.
     (tmp_path / theirs.dir_name / "namespace.json").unlink()
     with capture_logs() as logs:
         tier = await open_store(tmp_path, theirs)
     assert tier.recovered() == {}
-    assert any(e["event"] == "nvme.manifest_mismatch" for e in logs)
+    assert [e["reason"] for e in logs if e["event"] == "nvme.slot_map_damaged"] == [
+        "the checkpoint is another namespace's: ignored",
+        "the journal is another namespace's: ignored",
+    ]
     tier.forget([])  # the driver stays usable
     with pytest.raises(CorruptChunk):
         await read_back(tier, 0)
-    await tier.close()
-
-
-async def test_a_damaged_manifest_restores_nothing(tmp_path: Path) -> None:
-    tier = await open_store(tmp_path)
-    await fill(tier, range(2))
-    await tier.close()
-    (tier.directory / "g0.manifest").write_bytes(b"\x93not a manifest")
-    with capture_logs() as logs:
-        tier = await open_store(tmp_path)
-    assert tier.recovered() == {}
-    assert any(e["event"] == "nvme.manifest_unreadable" for e in logs)
     await tier.close()
 
 
@@ -296,19 +311,27 @@ async def test_a_read_error_is_a_tier_io_error(tmp_path: Path, monkeypatch: pyte
     await tier.close()
 
 
-async def test_a_failed_manifest_save_fails_the_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_failed_commit_fails_sync_and_the_next_commit_takes_its_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tier = await open_store(tmp_path)
 
-    def broken(*args: Any, **kwargs: Any) -> None:
+    def broken(fd: int) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(os, "replace", broken)
-    with pytest.raises(TierIOError, match="manifest"):
-        await fill(tier, range(2))
+    monkeypatch.setattr(os, "fdatasync", broken)
+    await fill(tier, range(2))  # a write returns before its commit
+    with pytest.raises(TierIOError, match="committing the journal"):
+        await tier.sync()
+    assert torch.equal(await read_back(tier, 0), data(0)), "a failed commit costs durability, not the chunk"
     monkeypatch.undo()
-    with pytest.raises(CorruptChunk):
-        await read_back(tier, 0)
+    await fill(tier, [2])
+    await tier.sync()
+    copy = crash_copy(tier, tmp_path / "crashed")
     await tier.close()
+    crashed = await open_store(copy.parent)
+    assert crashed.recovered() == {key(s): s for s in range(3)}
+    await crashed.close()
 
 
 async def test_a_second_opener_of_the_same_store_is_refused(tmp_path: Path) -> None:
@@ -352,18 +375,20 @@ async def test_a_store_reopened_with_another_slot_size_starts_empty(tmp_path: Pa
     await tier.close()
 
 
-async def test_concurrent_writes_share_manifest_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    tier = await open_store(tmp_path, io_depth=4)
-    real_replace = os.replace
-    saves = []
+async def test_concurrent_writes_share_one_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = await open_store(tmp_path, io_depth=4, commit_window_s=60)
+    real_pwrite = os.pwrite
+    appends = []
 
-    def counted(*args: Any, **kwargs: Any) -> None:
-        saves.append(args)
-        real_replace(*args, **kwargs)
+    def counted(fd: int, data: bytes, offset: int) -> int:
+        appends.append(offset)
+        return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(os, "replace", counted)
+    monkeypatch.setattr(os, "pwrite", counted)
     await asyncio.gather(*(tier.write([op(s, data(s))]) for s in range(SLOTS)))
-    assert 1 <= len(saves) < SLOTS
+    assert appends == [], "no commit before the window ends"
+    await tier.sync()
+    assert len(appends) == 1
     await tier.close()
 
 
@@ -415,10 +440,12 @@ async def test_random_concurrent_writes_and_forgets_reopen_as_the_model_says(tmp
     await tier.close()
 
 
-async def test_a_chunk_key_longer_than_a_header_holds_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad", [bytes(15), bytes(17), bytes(257), "k" * 16, bytearray(16)])
+async def test_a_chunk_key_that_is_not_16_bytes_is_refused(tmp_path: Path, bad: Any) -> None:
     tier = await open_store(tmp_path)
-    with pytest.raises(ValueError, match="longer"):
-        await tier.write([TransferOp(buffer=data(0), key=bytes(257), slot=0)])
+    for call in (tier.write, tier.read):
+        with pytest.raises(ChunkKeyError, match="16 bytes"):
+            await call([TransferOp(buffer=data(0), key=bad, slot=0)])
     await tier.close()
 
 
@@ -434,15 +461,13 @@ async def test_close_waits_for_writes_in_flight_and_records_them(tmp_path: Path)
     await tier.close()
 
 
-async def test_sync_makes_a_forget_durable(tmp_path: Path) -> None:
-    tier = await open_store(tmp_path)
+async def test_sync_makes_writes_and_forgets_durable(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path, commit_window_s=60)
     await fill(tier, range(3))
     tier.forget([1])
     await tier.sync()
-    snapshot = {path.name: path.read_bytes() for path in tier.directory.iterdir() if path.name != "g0.slots"}
+    copy = crash_copy(tier, tmp_path / "crashed")  # what a crash right after sync leaves
     await tier.close()
-    for name, content in snapshot.items():  # what a crash right after sync leaves
-        (tier.directory / name).write_bytes(content)
-    tier = await open_store(tmp_path)
-    assert tier.recovered() == {key(0): 0, key(2): 2}
-    await tier.close()
+    crashed = await open_store(copy.parent)
+    assert crashed.recovered() == {key(0): 0, key(2): 2}
+    await crashed.close()

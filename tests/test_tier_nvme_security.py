@@ -83,7 +83,7 @@ def refusal(caught: pytest.ExceptionInfo[UnsafeStore], path: Path, reason: str) 
     assert str(path) in str(caught.value)
 
 
-@pytest.mark.parametrize("name", ["g0.slots", "g0.lock", "g0.manifest", "namespace.json"])
+@pytest.mark.parametrize("name", ["g0.slots", "g0.lock", "g0.checkpoint", "g0.journal", "namespace.json"])
 async def test_a_store_file_that_is_a_link_is_refused_and_its_target_untouched(
     root: Path, outside: Path, name: str
 ) -> None:
@@ -107,11 +107,11 @@ async def test_a_dangling_link_creates_nothing_outside(root: Path, tmp_path: Pat
     assert not target.exists()
 
 
-@pytest.mark.parametrize("name", ["g0.tmp", "namespace.json.g0.tmp"])
+@pytest.mark.parametrize("name", ["g0.checkpoint.tmp", "g0.journal.tmp", "namespace.json.g0.tmp"])
 async def test_a_link_planted_as_a_temporary_file_is_replaced_not_written_through(
     root: Path, outside: Path, name: str
 ) -> None:
-    """The manifest's and the namespace record's temporary files are created O_EXCL."""
+    """The slot map's and the namespace record's temporary files are created O_EXCL."""
     store_dir(root).mkdir(mode=0o700)
     (store_dir(root) / name).symlink_to(outside)
     tier = await open_store(root)
@@ -194,7 +194,7 @@ async def test_everything_the_store_creates_is_owner_only_whatever_the_umask(tmp
     for created in (tmp_path / "a", tmp_path / "a" / "b", root, store_dir(root)):
         assert stat.S_IMODE(created.stat().st_mode) == 0o700, created
     names = sorted(path.name for path in store_dir(root).iterdir())
-    assert names == ["g0.lock", "g0.manifest", "g0.slots", "namespace.json"]
+    assert names == ["g0.checkpoint", "g0.journal", "g0.lock", "g0.slots", "namespace.json"]
     for name in names:
         path = store_dir(root) / name
         assert stat.S_ISREG(path.lstat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o600, path
@@ -209,7 +209,10 @@ async def test_an_existing_root_is_checked_but_not_changed(tmp_path: Path) -> No
 
 
 PLANTS = ["link to outside", "dangling link", "fifo", "directory", "file 0666"]
-NAMES = ["g0.slots", "g0.lock", "g0.manifest", "g0.tmp", "namespace.json", "namespace.json.g0.tmp"]
+NAMES = [
+    *("g0.slots", "g0.lock", "g0.checkpoint", "g0.journal", "namespace.json"),
+    *("g0.checkpoint.tmp", "g0.journal.tmp", "namespace.json.g0.tmp"),
+]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -253,7 +256,7 @@ async def test_whatever_is_planted_in_a_store_nothing_outside_changes(
             finally:
                 await tier.close()
         for path in store_dir(root).iterdir():
-            if stat.S_ISREG(path.lstat().st_mode) and path.name in {"g0.slots", "g0.lock", "g0.manifest"}:
+            if stat.S_ISREG(path.lstat().st_mode) and path.name in {"g0.slots", "g0.lock", "g0.journal"}:
                 assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert untouched(victim)
     assert not present(dangling)

@@ -1,9 +1,10 @@
 """Read-only inspection of nvme store directories, behind :meth:`tiered_kv.tiers.nvme.NvmeTier.inspect`.
 
 It reports what reopening each store would find, without opening one: the namespace
-record, and per KV group the slots file and the manifest; with ``verify``, each chunk
-the manifest lists is checked exactly as a reopen checks it (:func:`verify_slot`), so a
-chunk reported corrupt is one a reopen would drop. Files are opened ``O_RDONLY``, no lock
+record, and per KV group the slots file and the slot map (checkpoint and journal,
+replayed as a reopen replays them); with ``verify``, each chunk the slot map lists is
+read in full and checked as a read checks it (:func:`verify_slot`), ``VERIFY_THREADS``
+at a time, so a chunk reported corrupt is one the store would refuse to serve. Files are opened ``O_RDONLY``, no lock
 is taken and nothing is written, which is what lets a store in use be inspected. Below
 the inspected directory no link is followed: a link where a store keeps a file or its
 directory is reported as the damage it is (a reopen refuses it).
@@ -11,31 +12,36 @@ directory is reported as the damage it is (a reopen refuses it).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
-from tiered_kv.tiers._driver import tier_error
+import numpy as np
+from tiered_kv.tiers._driver import split, tier_error
 from tiered_kv.tiers.nvme_files import open_file, open_subdir, read_file
 from tiered_kv.tiers.nvme_format import (
     HEADER_BYTES,
     NAMESPACE_FILE,
     SCAN_BYTES,
-    Manifest,
-    decode_manifest,
     decode_namespace,
     group_file,
     slot_stride,
     store_groups,
     verify_slot,
 )
+from tiered_kv.tiers.nvme_journal import SlotMap, read_files, replay
 
 from tiered_kv.errors import CorruptChunk, UnsafeStore
 from tiered_kv.inspection import CorruptSlot, GroupReport, Inspection, StoreReport
 from tiered_kv.layout import KVGroup
 from tiered_kv.namespace import Namespace
 
+#: Threads that ``verify`` reads and checks chunks with.
+VERIFY_THREADS = 8
 #: A store directory's name: ``Namespace.dir_name``.
 _STORE_NAME = re.compile(r".+-[0-9a-f]{32}")
 
@@ -124,7 +130,7 @@ def _inspect_group(
     dir_fd: int, directory: Path, group: int, layout: KVGroup | None, fingerprint: bytes | None, verify: bool
 ) -> GroupReport:
     """``fingerprint``: the namespace's, which the chunks must carry; None when unrecorded,
-    and then the manifest's is trusted."""
+    and then the slot map's is trusted."""
     problems: list[str] = []
     slots_name = group_file(group, "slots")
     slots_fd = -1
@@ -154,17 +160,12 @@ def _report_group(
     file_bytes: int,
     problems: list[str],
 ) -> GroupReport:
-    manifest: Manifest | None = None
-    manifest_name = group_file(group, "manifest")
+    files = None
     try:
-        manifest = decode_manifest(read_file(dir_fd, manifest_name, str(directory / manifest_name), owner=False))
-    except FileNotFoundError:
-        pass  # a store that crashed before its first save: it reopens empty
+        files = read_files(dir_fd, directory, group, fingerprint=fingerprint, slot_bytes=None, owner=False)
     except UnsafeStore as exc:
-        problems.append(f"{manifest_name} {exc.reason}: opening this store is refused")
-    except msgspec.DecodeError as exc:
-        problems.append(f"the manifest is unreadable ({exc}): a reopen restores nothing")
-    if manifest is None:
+        problems.append(f"{Path(exc.path).name} {exc.reason}: opening this store is refused")
+    if files is None or files.slot_bytes is None or files.fingerprint is None:
         return GroupReport(
             group=group,
             layout=layout,
@@ -174,43 +175,57 @@ def _report_group(
             chunk_bytes=0,
             file_bytes=file_bytes,
             verified=0 if verify else None,
-            problems=tuple(problems),
+            problems=tuple([*problems, *(files.problems if files is not None else ())]),
         )
-    if manifest.group != group:
-        problems.append(f"the manifest is group {manifest.group}'s")
-    if fingerprint is not None and manifest.fingerprint != fingerprint:
-        problems.append("the manifest is another namespace's: a reopen restores nothing")
-    slots = file_bytes // slot_stride(manifest.slot_bytes)
-    corrupt: tuple[CorruptSlot, ...] = ()
+    problems += files.problems
+    slots = file_bytes // slot_stride(files.slot_bytes)
+    listed = replay(files.records, slots)
+    outside = _outside(files.records, slots)
+    corrupt = {slot: f"slot {slot}: outside the slots file's {slots} slots" for slot in outside}
     if verify:
-        corrupt = _verify(slots_fd, manifest, slots, fingerprint or manifest.fingerprint)
+        corrupt |= _verify(slots_fd, listed, files.slot_bytes, fingerprint or files.fingerprint)
+    keys = dict(zip(listed.slots.tolist(), listed.keys.tolist(), strict=True)) | outside
+    chunks = len(listed.slots) + len(outside)
     return GroupReport(
         group=group,
         layout=layout,
-        slot_bytes=manifest.slot_bytes,
+        slot_bytes=files.slot_bytes,
         slots=slots,
-        chunks=len(manifest.chunks),
-        chunk_bytes=len(manifest.chunks) * manifest.slot_bytes,
+        chunks=chunks,
+        chunk_bytes=chunks * files.slot_bytes,
         file_bytes=file_bytes,
-        verified=len(manifest.chunks) - len(corrupt) if verify else None,
-        corrupt=corrupt,
+        verified=chunks - len(corrupt) if verify else None,
+        corrupt=tuple(CorruptSlot(slot=slot, key=keys[slot].hex(), reason=corrupt[slot]) for slot in sorted(corrupt)),
         problems=tuple(problems),
     )
 
 
-def _verify(fd: int, manifest: Manifest, slots: int, fingerprint: bytes) -> tuple[CorruptSlot, ...]:
-    """The slots of ``manifest`` whose chunks fail verification, in slot order."""
-    outside = (slot for slot in manifest.chunks if not 0 <= slot < slots)
-    reasons = {slot: f"slot {slot}: outside the slots file's {slots} slots" for slot in outside}
-    inside = sorted(slot for slot in manifest.chunks if slot not in reasons)
+def _outside(records: np.ndarray, slots: int) -> dict[int, bytes]:
+    """Slot → key of the live entries that name a slot past the end of the slots file."""
+    last: dict[int, bytes | None] = {}
+    for record in records[records["slot"] >= slots].tolist():
+        last[record[0]] = record[3] if record[1] else None
+    return {slot: key for slot, key in last.items() if key is not None}
+
+
+def _verify(fd: int, listed: SlotMap, slot_bytes: int, fingerprint: bytes) -> dict[int, str]:
+    """Slot → why, for each listed chunk that fails verification, read in parallel."""
+    entries = list(zip(listed.slots.tolist(), listed.keys.tolist(), strict=True))
+    with ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="tiered-kv-inspect") as pool:
+        runs = pool.map(functools.partial(_verify_run, fd, slot_bytes, fingerprint), split(entries, VERIFY_THREADS))
+        return {slot: reason for run in runs for slot, reason in run.items()}
+
+
+def _verify_run(fd: int, slot_bytes: int, fingerprint: bytes, entries: Sequence[tuple[int, bytes]]) -> dict[int, str]:
     buffer = memoryview(bytearray(HEADER_BYTES + SCAN_BYTES))
-    for slot in inside:
+    reasons = {}
+    for slot, key in entries:
         try:
             verify_slot(
                 fd,
                 slot=slot,
-                slot_bytes=manifest.slot_bytes,
-                key=manifest.chunks[slot],
+                slot_bytes=slot_bytes,
+                key=key,
                 fingerprint=fingerprint,
                 header=buffer[:HEADER_BYTES],
                 scan=buffer[HEADER_BYTES:],
@@ -219,6 +234,4 @@ def _verify(fd: int, manifest: Manifest, slots: int, fingerprint: bytes) -> tupl
             reasons[slot] = exc.detail
         except OSError as exc:
             reasons[slot] = f"slot {slot}: unreadable ({exc.strerror})"
-    return tuple(
-        CorruptSlot(slot=slot, key=manifest.chunks[slot].hex(), reason=reasons[slot]) for slot in sorted(reasons)
-    )
+    return reasons
