@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import mmap
 import os
 import random
 import stat
@@ -471,3 +472,55 @@ async def test_sync_makes_writes_and_forgets_durable(tmp_path: Path) -> None:
     crashed = await open_store(copy.parent)
     assert crashed.recovered() == {key(0): 0, key(2): 2}
     await crashed.close()
+
+
+def aligned(nbytes: int, fill: torch.Tensor) -> torch.Tensor:
+    """A page-aligned host buffer (as cpu-tier slots are) holding ``fill``."""
+    buffer = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    buffer[: fill.numel()] = fill
+    return buffer[: fill.numel()]
+
+
+@pytest.mark.parametrize("direct_io", [None, False])
+async def test_consecutive_slots_written_in_one_call_come_back_whole(tmp_path: Path, direct_io: bool | None) -> None:
+    """Aligned buffers of consecutive slots share one pwritev; a shorter chunk among them
+    is padded to its slot's end, so that the next slot lands where it belongs."""
+    tier = await open_store(tmp_path, direct_io=direct_io, num_slots=SLOTS)
+    lengths = {0: SLOT, 1: SLOT - 4096, 2: 5000, 3: SLOT, 5: 4096}  # 5000 B: staged alone with O_DIRECT
+    writes = [op(s, aligned(SLOT, data(s, nbytes=n))) for s, n in lengths.items()]
+    await tier.write(writes)
+    await tier.close()
+    tier = await open_store(tmp_path, direct_io=direct_io)
+    for s, n in lengths.items():
+        out = torch.zeros(n, dtype=torch.uint8)
+        await tier.read([op(s, out)])
+        assert torch.equal(out, data(s, nbytes=n)), f"slot {s}"
+    await tier.close()
+
+
+async def test_a_failed_write_of_consecutive_slots_leaves_the_whole_batch_unreadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = await open_store(tmp_path)
+    await tier.write([op(s, aligned(SLOT, data(s))) for s in range(4)])
+    real_pwritev = os.pwritev
+    calls = []
+
+    def tear(fd: int, buffers: Any, offset: int) -> int:
+        calls.append(len(buffers))
+        real_pwritev(fd, buffers[:3], offset)  # the first slot and the next header land
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "pwritev", tear)
+    with pytest.raises(TierIOError, match="writing slots 0 to 3"):
+        await tier.write([op(s, aligned(SLOT, data(s, 1)), 1) for s in range(4)])
+    assert calls == [8], "four consecutive slots, one call"
+    monkeypatch.undo()
+    for s in range(4):
+        for version in (0, 1):
+            with pytest.raises(CorruptChunk):
+                await read_back(tier, s, version)
+    await tier.close()
+    tier = await open_store(tmp_path)
+    assert tier.recovered() == {}
+    await tier.close()

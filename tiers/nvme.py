@@ -13,9 +13,11 @@ Writes and reads are one ``pwritev``/``preadv`` of header and payload per chunk,
 ``O_DIRECT`` where the filesystem allows it (host buffers are cpu-tier slots,
 page-aligned, so the disk reads and writes them in place; others go through an aligned
 staging buffer) and buffered I/O otherwise, with a warning ``nvme.direct_io_unavailable``.
-A dedicated pool of ``io_depth`` threads does them, a batch cut into at most
-``io_depth`` runs of neighbouring slots, one hop into the pool per run: the I/Os in
-flight are ``io_depth`` exactly, and the loop's cost per chunk stays small.
+A dedicated pool of ``io_depth`` threads does them, one hop into the pool per run of
+neighbouring ops (a batch is cut into at most ``io_depth`` runs, of ``RUN_BYTES`` at
+least), and a write puts each run of consecutive slots in one ``pwritev``: the I/Os in
+flight are at most ``io_depth``, and what a small chunk costs the loop and the system
+calls is a share of its batch's.
 
 Crash safety and durability: a write first forgets its slots in memory, writes, and only
 once every op of the batch is on disk records the slots, in memory (the slot map reads
@@ -93,7 +95,12 @@ from tiered_kv.keys import KEY_BYTES, ChunkKey
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
 
-_ZEROS = bytes(HEADER_BYTES)
+_ZEROS = memoryview(bytes(HEADER_BYTES))
+#: Consecutive slots one ``pwritev`` writes at most (each takes two or three iovecs).
+COALESCE_OPS = 256
+#: A write call's bytes per thread hop, at least: a batch of small chunks goes to the
+#: threads in a few runs (then a few ``pwritev`` calls), large chunks one per thread.
+RUN_BYTES = 1 << 20
 #: The default commit window: the most recent stores a crash may lose.
 COMMIT_WINDOW_S = 0.02
 #: A journal is folded into a checkpoint once it holds this many records, or as many
@@ -109,17 +116,26 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 class _Lane(threading.local):
-    """Per worker thread: an aligned header block, and (only when a caller hands over an
-    unaligned buffer) an aligned staging buffer of one slot."""
+    """Per worker thread: aligned header blocks for the slots of one ``pwritev``, and
+    (only when needed) an aligned staging buffer of one slot and zeros to fill the end of
+    a slot that a shorter chunk leaves."""
 
     def __init__(self) -> None:
-        self.header = memoryview(mmap.mmap(-1, HEADER_BYTES))
+        # Anonymous memory: only the pages a write touches are ever backed.
+        self.headers = memoryview(mmap.mmap(-1, HEADER_BYTES * COALESCE_OPS))
+        self.header = self.headers[:HEADER_BYTES]
         self.staging: memoryview | None = None
+        self.zeros: memoryview | None = None
 
     def staged(self, nbytes: int, slot_stride: int) -> memoryview:
         if self.staging is None:
             self.staging = memoryview(mmap.mmap(-1, slot_stride))
         return self.staging[:nbytes]
+
+    def padding(self, nbytes: int, slot_stride: int) -> memoryview:
+        if self.zeros is None:
+            self.zeros = memoryview(mmap.mmap(-1, slot_stride))
+        return self.zeros[:nbytes]
 
 
 def _open_slots(dir_fd: int, name: str, path: str, size: int, direct_io: bool | None) -> tuple[int, bool]:
@@ -362,7 +378,7 @@ class NvmeTier(DriverBase):
         commits = self._committer()
         with self._in_flight():
             try:
-                await self._io(self._write_one, ops)
+                await self._io(self._write_run, split(ops, min(self.io_depth, max(1, nbytes // RUN_BYTES))))
             except BaseException:
                 # The slots may hold a part of the batch now: the journal says they hold nothing.
                 commits.add(b"".join(forget_record(op.slot) for op in ops), len(ops))
@@ -390,7 +406,7 @@ class NvmeTier(DriverBase):
                 self._errors += 1
                 raise CorruptChunk(f"slot {op.slot} holds no chunk with this key", tier=self.name)
         with self._in_flight():
-            await self._io(self._read_one, ops)
+            await self._io(self._read_run, split(ops, self.io_depth))
         self._count(read=True, ops=len(ops), nbytes=nbytes)
 
     async def sync(self) -> None:
@@ -466,48 +482,72 @@ class NvmeTier(DriverBase):
             if not self._busy:
                 self._idle.set()
 
-    async def _io(self, fn: Callable[[TransferOp], None], ops: Sequence[TransferOp]) -> None:
-        """``fn`` for every op, in at most ``io_depth`` runs of neighbouring ops, one
-        thread hop each."""
+    async def _io(self, fn: Callable[[Sequence[TransferOp]], None], runs: list[Sequence[TransferOp]]) -> None:
+        """``fn`` for every run of ops, one thread hop each."""
         try:
-            await in_threads(self._pool, self._run, [(fn, run) for run in split(ops, self.io_depth)])
+            await in_threads(self._pool, fn, [(run,) for run in runs])
         except TierError:
             self._errors += 1
             raise
 
-    @staticmethod
-    def _run(fn: Callable[[TransferOp], None], ops: Sequence[TransferOp]) -> None:
-        for op in ops:
-            fn(op)
+    def _staged(self, op: TransferOp) -> bool:
+        """Whether ``op``'s buffer must go through a staging buffer (``O_DIRECT`` needs
+        page-aligned memory of whole pages)."""
+        return self.direct and (op.buffer.data_ptr() % PAGE != 0 or op.buffer.numel() % PAGE != 0)
 
     def _payload(self, op: TransferOp, lane: _Lane) -> tuple[memoryview, memoryview | None]:
         """The memory the disk transfers for ``op`` (padded for ``O_DIRECT``), and the
         caller's bytes when that memory is a staging buffer instead."""
         data = _bytes_of(op.buffer)
-        if not self.direct:
-            return data, None
-        if op.buffer.data_ptr() % PAGE == 0 and len(data) % PAGE == 0:
+        if not self._staged(op):
             return data, None
         return lane.staged(round_up(len(data)), self.slot_stride - HEADER_BYTES), data
 
-    def _write_one(self, op: TransferOp) -> None:
+    def _write_run(self, ops: Sequence[TransferOp]) -> None:
+        """Write ``ops``, each run of consecutive slots in one ``pwritev`` (a staged op alone)."""
+        group: list[TransferOp] = []
+        for op in sorted(ops, key=_slot_of):
+            if group and (op.slot != group[-1].slot + 1 or len(group) == COALESCE_OPS or self._staged(op)):
+                self._write_slots(group)
+                group = []
+            group.append(op)
+            if self._staged(op):
+                self._write_slots(group)
+                group = []
+        if group:
+            self._write_slots(group)
+
+    def _write_slots(self, ops: list[TransferOp]) -> None:
+        """Header and payload of each op, for consecutive slots, in one ``pwritev``; a
+        chunk shorter than a slot is followed by zeros up to the next slot."""
         lane = self._lanes
-        payload, user = self._payload(op, lane)
-        n = op.buffer.numel()
-        if user is not None:
-            payload[:n] = user
-            payload[n:] = bytes(len(payload) - n)
-        header = pack_header(
-            fingerprint=self._fingerprint, slot=op.slot, key=op.key, length=n, checksum=payload_checksum(payload[:n])
-        )
-        lane.header[: len(header)] = header
-        lane.header[len(header) :] = _ZEROS[len(header) :]
+        payload_room = self.slot_stride - HEADER_BYTES
+        iov: list[memoryview] = []
+        for i, op in enumerate(ops):
+            payload, user = self._payload(op, lane)
+            n = op.buffer.numel()
+            if user is not None:
+                payload[:n] = user
+                payload[n:] = bytes(len(payload) - n)
+            checksum = payload_checksum(payload[:n])
+            header = pack_header(fingerprint=self._fingerprint, slot=op.slot, key=op.key, length=n, checksum=checksum)
+            block = lane.headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+            block[: len(header)] = header
+            block[len(header) :] = _ZEROS[len(header) :]
+            iov += [block, payload]
+            if i + 1 < len(ops) and len(payload) < payload_room:
+                iov.append(lane.padding(payload_room - len(payload), payload_room))
+        first = ops[0].slot
         try:
-            done = os.pwritev(self._fd, [lane.header, payload], op.slot * self.slot_stride)
+            done = os.pwritev(self._fd, iov, first * self.slot_stride)
         except OSError as exc:
-            raise tier_error(self.name, f"writing slot {op.slot}", exc) from exc
-        if done != HEADER_BYTES + len(payload):
-            raise TierIOError(f"short write to slot {op.slot}: {done} bytes", tier=self.name)
+            raise tier_error(self.name, f"writing slots {first} to {ops[-1].slot}", exc) from exc
+        if done != sum(len(part) for part in iov):
+            raise TierIOError(f"short write to slots {first} to {ops[-1].slot}: {done} bytes", tier=self.name)
+
+    def _read_run(self, ops: Sequence[TransferOp]) -> None:
+        for op in ops:
+            self._read_one(op)
 
     def _read_one(self, op: TransferOp) -> None:
         lane = self._lanes
@@ -564,6 +604,10 @@ class NvmeTier(DriverBase):
             self._journal.commit(records, self._fd)
         except OSError as exc:
             raise tier_error(self.name, f"committing the journal of {self.directory}", exc) from exc
+
+
+def _slot_of(op: TransferOp) -> int:
+    return op.slot
 
 
 def _check_keys(ops: Sequence[TransferOp]) -> None:

@@ -19,6 +19,7 @@ import contextlib
 import errno
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 
 from tiered_kv.errors import UnsafeStore
@@ -134,22 +135,36 @@ def open_file(dir_fd: int, name: str, path: str, flags: int, *, owner: bool = Tr
     return fd
 
 
-def read_file(dir_fd: int, name: str, path: str, *, owner: bool = True) -> bytes:
-    """The whole content of file ``name`` (see :func:`open_file`)."""
+#: Bytes moved per system call: a file of any size is read and written in pieces, so
+#: that no single step holds the interpreter for long.
+PIECE_BYTES = 1 << 20
+
+
+def read_file(dir_fd: int, name: str, path: str, *, owner: bool = True) -> bytearray:
+    """The whole content of file ``name`` (see :func:`open_file`), read in pieces into
+    one buffer."""
     fd = open_file(dir_fd, name, path, os.O_RDONLY, owner=owner)
     try:
-        chunks = []
-        while piece := os.read(fd, 1 << 20):
-            chunks.append(piece)
-        return b"".join(chunks)
+        data = bytearray(os.fstat(fd).st_size)
+        view = memoryview(data)
+        done = 0
+        while done < len(data) and (got := os.readv(fd, [view[done : done + PIECE_BYTES]])):
+            done += got
+        del view
+        del data[done:]  # the file shrank meanwhile
+        return data
     finally:
         os.close(fd)
 
 
-def replace_file(dir_fd: int, name: str, data: bytes | memoryview, path: str, *, tmp: str) -> None:
-    """Make ``data`` the content of file ``name`` (0600) all at once, also across a crash:
-    written to a new file ``tmp`` (``O_EXCL``), synced, renamed over ``name``, then the
-    directory synced. ``tmp`` is the caller's alone (it holds a lock that says so)."""
+def replace_file(
+    dir_fd: int, name: str, data: bytes | memoryview | Sequence[bytes | memoryview], path: str, *, tmp: str
+) -> None:
+    """Make ``data`` (one buffer, or several in order) the content of file ``name``
+    (0600) all at once, also across a crash: written to a new file ``tmp``
+    (``O_EXCL``), synced, renamed over ``name``, then the directory synced. ``tmp`` is
+    the caller's alone (it holds a lock that says so)."""
+    parts = [data] if isinstance(data, bytes | memoryview) else data
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_LINKS
     try:
         fd = os.open(tmp, flags, OWNER_FILE, dir_fd=dir_fd)
@@ -158,9 +173,10 @@ def replace_file(dir_fd: int, name: str, data: bytes | memoryview, path: str, *,
         fd = os.open(tmp, flags, OWNER_FILE, dir_fd=dir_fd)
     try:
         os.fchmod(fd, OWNER_FILE)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view:
+                view = view[os.write(fd, view[:PIECE_BYTES]) :]
         os.fsync(fd)
     except BaseException:
         os.close(fd)

@@ -60,6 +60,9 @@ _HEADER_BYTES = _HEADER.size + _CHECK.size
 #: ``_FRAMES_AT_LEAST``): many small commits keep replay to a few thousand frames.
 _RECORDS_PER_FRAME = 64
 _FRAMES_AT_LEAST = 64
+#: Entries per step of the loops over a whole slot map in Python-level calls that hold
+#: the interpreter (in a driver thread, the event loop waits for each step).
+_STEP = 1 << 14
 
 log = get_logger("nvme")
 
@@ -91,14 +94,14 @@ def _header(magic: bytes, identity: Identity, generation: int) -> bytes:
     return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def _parse_header(data: bytes, magic: bytes) -> tuple[Identity, int]:
+def _parse_header(data: bytes | bytearray, magic: bytes) -> tuple[Identity, int]:
     if len(data) < _HEADER_BYTES:
         raise _Unusable(f"cut short ({len(data)} bytes)")
     at_magic, version, _, group, slot_bytes, generation, fingerprint = _HEADER.unpack_from(data)
     (check,) = _CHECK.unpack_from(data, _HEADER.size)
     if at_magic != magic:
         raise _Unusable("not a slot-map file")
-    if check != xxhash.xxh3_64_intdigest(data[: _HEADER.size]):
+    if check != xxhash.xxh3_64_intdigest(memoryview(data)[: _HEADER.size]):
         raise _Unusable("header checksum mismatch")
     if version != FORMAT_VERSION:
         raise _Unusable(f"format version {version}, expected {FORMAT_VERSION}")
@@ -107,21 +110,25 @@ def _parse_header(data: bytes, magic: bytes) -> tuple[Identity, int]:
     return Identity(fingerprint, group, slot_bytes), generation
 
 
-def _records(data: bytes | memoryview, offset: int, count: int) -> np.ndarray:
+def _records(data: bytes | bytearray | memoryview, offset: int, count: int) -> np.ndarray:
     return np.frombuffer(data, dtype=RECORD, count=count, offset=offset)
 
 
-def encode_checkpoint(identity: Identity, generation: int, slots: np.ndarray, keys: np.ndarray) -> bytes:
-    """A checkpoint of live entries ``slots`` → ``keys``."""
+def encode_checkpoint(identity: Identity, generation: int, slots: np.ndarray, keys: np.ndarray) -> list[memoryview]:
+    """A checkpoint of live entries ``slots`` → ``keys``, as the buffers to write in order
+    (the entries are not copied into one ``bytes``: that copy would hold the interpreter)."""
     records = np.zeros(len(slots), dtype=RECORD)
     records["slot"] = slots
     records["live"] = 1
     records["key"] = keys
-    body = _header(_CHECKPOINT, identity, generation) + _COUNT.pack(len(records)) + records.tobytes()
-    return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+    prefix = _header(_CHECKPOINT, identity, generation) + _COUNT.pack(len(records))
+    entries = records.data.cast("B")
+    digest = xxhash.xxh3_64(prefix)
+    digest.update(entries)
+    return [memoryview(prefix), entries, memoryview(_CHECK.pack(digest.intdigest()))]
 
 
-def _parse_checkpoint(data: bytes) -> tuple[Identity, int, np.ndarray]:
+def _parse_checkpoint(data: bytes | bytearray) -> tuple[Identity, int, np.ndarray]:
     identity, generation = _parse_header(data, _CHECKPOINT)
     if len(data) < _HEADER_BYTES + _COUNT.size + _CHECK.size:
         raise _Unusable(f"cut short ({len(data)} bytes)")
@@ -156,25 +163,25 @@ class _JournalRead:
     torn: int
 
 
-def _parse_journal(data: bytes) -> _JournalRead:
+def _parse_journal(data: bytes | bytearray) -> _JournalRead:
     identity, generation = _parse_header(data, _JOURNAL)
     view = memoryview(data)
-    parts: list[np.ndarray] = []
+    records = np.empty(max(0, len(data) - _HEADER_BYTES) // RECORD.itemsize, dtype=RECORD)
+    frames = held = 0
     at = _HEADER_BYTES
     while at + _FRAME.size <= len(data):
         magic, count, sequence, check = _FRAME.unpack_from(data, at)
         end = at + _FRAME.size + count * RECORD.itemsize
-        if magic != _FRAME_MAGIC or sequence != len(parts) or end > len(data):
+        if magic != _FRAME_MAGIC or sequence != frames or end > len(data):
             break
         digest = xxhash.xxh3_64()
         digest.update(view[at : at + _FRAME.size - _CHECK.size])
         digest.update(view[at + _FRAME.size : end])
         if digest.intdigest() != check:
             break
-        parts.append(_records(data, at + _FRAME.size, count))
-        at = end
-    records = np.concatenate(parts) if parts else np.zeros(0, dtype=RECORD)
-    return _JournalRead(identity, generation, records, len(parts), at, len(data) - at)
+        records[held : held + count] = _records(data, at + _FRAME.size, count)
+        frames, held, at = frames + 1, held + count, end
+    return _JournalRead(identity, generation, records[:held], frames, at, len(data) - at)
 
 
 @dataclasses.dataclass
@@ -209,7 +216,7 @@ class SlotMap:
     dropped: int
 
 
-def _load(dir_fd: int, directory: Path, name: str, *, owner: bool) -> bytes | None:
+def _load(dir_fd: int, directory: Path, name: str, *, owner: bool) -> bytearray | None:
     try:
         return read_file(dir_fd, name, str(directory / name), owner=owner)
     except FileNotFoundError:
@@ -267,7 +274,7 @@ def read_files(
     return SlotMapFiles(
         fingerprint=want[0],
         slot_bytes=want[2],
-        records=np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros(0, dtype=RECORD),
+        records=_joined(parts),
         problems=problems,
         torn=journal.torn if journal is not None else 0,
         appendable=appendable,
@@ -276,6 +283,18 @@ def read_files(
         journal_frames=journal.frames if journal is not None else 0,
         journal_records=len(journal.records) if journal is not None and appendable else 0,
     )
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """``parts`` in one array, copied by assignment (which lets go of the interpreter)."""
+    if len(parts) == 1:
+        return parts[0]
+    joined = np.empty(sum(len(part) for part in parts), dtype=RECORD)
+    at = 0
+    for part in parts:
+        joined[at : at + len(part)] = part
+        at += len(part)
+    return joined
 
 
 def _whose(found: Identity, wanted: tuple[bytes | None, int, int | None]) -> str:
@@ -293,8 +312,10 @@ def replay(records: np.ndarray, num_slots: int) -> SlotMap:
     listed = int(np.count_nonzero(live))
     if len(slots) > 1 and not bool(np.all(slots[1:] > slots[:-1])):  # not a checkpoint's ascending list
         last = np.full(num_slots, -1, dtype=np.int64)
-        inside = slots < num_slots
-        np.maximum.at(last, slots[inside], np.flatnonzero(inside))
+        inside = np.flatnonzero(slots < num_slots)
+        for at in range(0, len(inside), _STEP):  # in steps: ufunc.at holds the interpreter
+            piece = inside[at : at + _STEP]
+            np.maximum.at(last, slots[piece], piece)
         pick = last[last >= 0]
     else:
         pick = np.flatnonzero(slots < num_slots)
@@ -310,8 +331,12 @@ def replay(records: np.ndarray, num_slots: int) -> SlotMap:
 
 
 def recovered_chunks(slot_map: SlotMap) -> dict[bytes, int]:
-    """Key → slot of a slot map's entries."""
-    return dict(zip(slot_map.keys.tolist(), slot_map.slots.tolist(), strict=True))
+    """Key → slot of a slot map's entries, built in steps (each holds the interpreter)."""
+    chunks: dict[bytes, int] = {}
+    for at in range(0, len(slot_map.slots), _STEP):
+        keys, slots = slot_map.keys[at : at + _STEP].tolist(), slot_map.slots[at : at + _STEP].tolist()
+        chunks.update(zip(keys, slots, strict=True))
+    return chunks
 
 
 class Journal:
