@@ -36,4 +36,4 @@ def test_bench_scale_reports_each_figure_against_its_target(tmp_path: Path, caps
 
 
 def test_bench_scale_refuses_a_size_below_its_smallest(tmp_path: Path) -> None:
-    assert main(["bench", "scale", "--max-chunks", "5000", "--nvme-dir", str(tmp_path)]) == 1
+    assert main(["bench", "scale", "--max-chunks", "5000", "--nvme-dir", str(tmp_path)]) == 2

@@ -20,7 +20,7 @@ from tiered_kv import (
     TieredKVError,
     chunk_keys,
 )
-from tiered_kv.errors import TierIOError
+from tiered_kv.errors import ConfigError, TierError, TierIOError
 from tiered_kv.null import NullTier, NullTiers
 from tiered_kv.stats import KVEventKind
 
@@ -99,7 +99,7 @@ async def test_a_failed_registration_leaves_nothing_behind_and_can_be_retried() 
     async with TieredKV(cfg, tiers=tiers) as kv:
         with pytest.raises(TierIOError):
             await kv.register(two_groups, [gpu_tensors()[0], gpu_tensors()[0]])
-        assert kv._pools == {}
+        assert kv._control.pools == {}
         closed = [tier for tier in tiers.made["cpu"] if tier._closed]
         assert len(closed) == len(tiers.made["cpu"]) == 1  # the slab built before the failure was closed
         await kv.register(two_groups, [gpu_tensors()[0], gpu_tensors()[0]])  # the budget is still there
@@ -153,8 +153,8 @@ async def test_idle_tenants_give_their_shares_back_past_the_bound() -> None:
             )
             assert not result.rejected
             await kv.finish_request(f"r{i}")
-            (pool,) = kv._pools.values()
-            assert len(pool.owners) <= 3 and len(pool.cpu_index.partition.namespaces()) <= 3
+            (pool,) = kv._control.pools.values()
+            assert len(pool.owners) <= 3 and len(pool.cpu.partition.namespaces()) <= 3
             kv.check_invariants()
         latest = make_namespace(cache_salt="user-11")
         assert kv.lookup(latest, [keys_for(1, ns=latest)]) == 1
@@ -177,9 +177,72 @@ async def test_a_rejected_multi_group_store_changes_nothing_in_any_group() -> No
         new = [chunk_keys(two_groups, list(range(900, 916)), group=g) for g in range(2)]
         result = await kv.store(two_groups, request_id="new", keys=new, block_ids=[table, table])
         assert result.rejected
-        group0 = kv._pools[(two_groups.fingerprint_hex, 0)]
-        assert all(group0.cpu_index.is_ready(key) for key in old[0])  # group 0 kept its chunks
+        group0 = kv._control.pools[(two_groups.fingerprint_hex, 0)]
+        assert all(group0.cpu.is_ready(key) for key in old[0])  # group 0 kept its chunks
         assert not [e for e in kv.drain_events() if e.kind is KVEventKind.REMOVED]
         kv.check_invariants()
         tiers.made["gpu"][1].gate.set()
         assert CHUNK > 0
+
+
+class FailingClose(NullTiers):
+    """Drivers whose ``close`` fails for the tiers named in ``fail``; each close is counted."""
+
+    def __init__(self, fail: set[str]) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def _make(self, name: str, slot_bytes: int, num_slots: int) -> NullTier:
+        tier = super()._make(name, slot_bytes, num_slots)
+        inner_close = tier.close
+
+        async def close() -> None:
+            await inner_close()
+            await asyncio.sleep(0)  # a real driver waits for its threads
+            if name in self.fail:
+                raise TierIOError("close failed", tier=name)
+
+        tier.close = close  # type: ignore[method-assign]
+        return tier
+
+
+async def test_close_closes_every_driver_even_when_one_fails_then_raises() -> None:
+    # Regression (issue 9.6): close() stopped at the first driver that failed to close.
+    tiers = FailingClose(fail={"gpu"})
+    kv = TieredKV(config(), tiers=tiers)
+    await kv.register(NS, gpu_tensors())
+    with pytest.raises(TierIOError, match="close failed"):
+        await kv.close()
+    assert all(tier._closed for made in tiers.made.values() for tier in made)
+
+
+async def test_a_deadline_on_close_does_not_leave_drivers_open() -> None:
+    tiers = FailingClose(fail=set())
+    kv = TieredKV(config(), tiers=tiers)
+    await kv.register(NS, gpu_tensors())
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0):
+            await kv.close()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert all(tier._closed for made in tiers.made.values() for tier in made)
+
+
+@pytest.mark.parametrize(
+    "argument", ["max_store_chunks", "max_write_behind_chunks", "copy_concurrency", "max_events", "max_tenants"]
+)
+@pytest.mark.parametrize("value", [0, -1, 1.5, None, True])
+def test_a_bound_that_is_not_a_positive_integer_is_a_config_error(argument: str, value: object) -> None:
+    # Regression (issue 9.6): max_tenants=0 was accepted, then every store raised PolicyError;
+    # the others raised a plain ValueError.
+    with pytest.raises(ConfigError, match=argument):
+        TieredKV(config(), tiers=NullTiers(), **{argument: value})  # type: ignore[arg-type]
+
+
+async def test_a_cpu_tier_larger_than_memory_is_a_typed_error_and_leaves_the_budget() -> None:
+    # Regression (issue 9.6): torch's allocator RuntimeError escaped from register.
+    huge = TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=1 << 60))
+    async with TieredKV(huge) as kv:
+        with pytest.raises(TierError, match="cannot allocate"):
+            await kv.register(NS, gpu_tensors())
+        assert kv._control.pools == {}

@@ -164,7 +164,8 @@ async def check_store(root: Path, log: Log, checked: set[str], rng: random.Rando
 
 async def kill_and_reopen(tmp_path: Path, kills: int) -> None:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["tiered_kv", "tiered_kv.tiers.nvme", __name__])
+    # torch first: the driver's module does not import it, and every child needs it.
+    context.set_forkserver_preload(["torch", "tiered_kv", "tiered_kv.tiers.nvme", __name__])
     root, log_path = tmp_path / "nvme", tmp_path / "stores.log"
     rng = random.Random(20261201)
     checked: set[str] = set()

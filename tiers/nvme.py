@@ -47,10 +47,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
-import torch
 from tiered_kv.tiers._driver import (
     PAGE,
     check_buffer,
@@ -94,6 +94,9 @@ from tiered_kv.interfaces import TransferOp
 from tiered_kv.keys import KEY_BYTES, ChunkKey
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
+
+if TYPE_CHECKING:  # annotations only: `tiered-kv inspect` loads this module without torch
+    import torch
 
 _ZEROS = memoryview(bytes(HEADER_BYTES))
 #: Consecutive slots one ``pwritev`` writes at most (each takes two or three iovecs).

@@ -34,20 +34,23 @@ import time
 import tracemalloc
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import ScaleCheck, ScaleFigures, ScaleSize
+from tiered_kv.cli_errors import UsageError
 from tiered_kv.config import CpuTierConfig, NvmeTierConfig, TieredKVConfig
-from tiered_kv.interfaces import TransferOp
+from tiered_kv.interfaces import HostTier, RecoverableTier, TierDriver, TierFactory, TransferOp
 from tiered_kv.keys import KEY_BYTES
 from tiered_kv.layout import KVGeometry, KVGroup
-from tiered_kv.manager import RecoverableTier, RegistryTiers, TieredKV
 from tiered_kv.namespace import Namespace
 from tiered_kv.registry import TIERS
+
+if TYPE_CHECKING:  # torch and the manager load when the section runs, not with the CLI's parser
+    import torch
+
+    from tiered_kv.manager import TieredKV
 
 SIZES = (10_000, 100_000, 1_000_000)
 #: Concurrent requests storing, and chunks per store call.
@@ -85,7 +88,7 @@ class ScaleSection:
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
         sizes = [size for size in SIZES if size <= args.max_chunks]
         if not sizes:
-            raise ValueError(f"--max-chunks {args.max_chunks} is below the smallest size, {SIZES[0]:,}")
+            raise UsageError(f"--max-chunks {args.max_chunks} is below the smallest size, {SIZES[0]:,}")
         with tempfile.TemporaryDirectory(dir=args.nvme_dir, prefix="tiered-kv-scale-") as tmp:
             figures = asyncio.run(measure(Path(tmp), sizes, progress))
         return SectionResult(payload=figures, tables=[_table(figures)])
@@ -162,17 +165,24 @@ class _Ticker:
         return max(lates) * 1e3, statistics.quantiles(lates, n=100, method="inclusive")[98] * 1e3, longest_gc
 
 
-class _TimedTiers(RegistryTiers):
-    """The registry's drivers; remembers how long opening the nvme store took."""
+class _TimedTiers:
+    """``inner``'s drivers; remembers how long opening the nvme store took."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner: TierFactory) -> None:
+        self.inner = inner
         self.nvme_s = 0.0
+
+    def gpu(self, namespace: Namespace, group: int, tensors: Sequence[torch.Tensor]) -> TierDriver:
+        return self.inner.gpu(namespace, group, tensors)
+
+    def cpu(self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int) -> HostTier:
+        return self.inner.cpu(namespace, group, slot_bytes, num_slots)
 
     async def nvme(
         self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: NvmeTierConfig
     ) -> RecoverableTier:
         started = time.perf_counter()
-        driver = await super().nvme(namespace, group, slot_bytes, num_slots, config)
+        driver = await self.inner.nvme(namespace, group, slot_bytes, num_slots, config)
         self.nvme_s += time.perf_counter() - started
         return driver
 
@@ -185,6 +195,8 @@ def _config(root: Path, capacity: int) -> TieredKVConfig:
 
 
 def _engine_cache() -> list[torch.Tensor]:
+    import torch
+
     group = NAMESPACE.geometry.groups[0]
     shape = (REQUESTS * BATCH, 2, NAMESPACE.geometry.block_size, group.num_kv_heads, group.head_dim)
     return [torch.ones(shape, dtype=torch.float16)]
@@ -250,6 +262,8 @@ def _check(figure: str, value: float, target: float, *, at_most: bool, driver: s
 
 async def _driver_pass(root: Path, sizes: list[int], progress: Progress) -> list[tuple[float, float, float]]:
     """Per size: the nvme driver alone growing a store to it, ``(chunks/s, max, p99 stall)``."""
+    import torch
+
     opener = TIERS.get("nvme").open  # type: ignore[attr-defined]
     tier = await opener(root, NAMESPACE, slot_bytes=CHUNK_BYTES, num_slots=sizes[-1])
     pages = [mmap.mmap(-1, BATCH * CHUNK_BYTES) for _ in range(REQUESTS)]  # page-aligned, as cpu slots are
@@ -277,6 +291,8 @@ async def _driver_pass(root: Path, sizes: list[int], progress: Progress) -> list
 
 async def _index_bytes(root: Path, capacity: int, cache: list[torch.Tensor], keys: _Keys) -> tuple[TieredKV, float]:
     """A reopened ``TieredKV`` that has stored once, and the bytes it holds in Python and numpy."""
+    from tiered_kv.manager import TieredKV
+
     gc.collect()
     tracemalloc.start()
     try:
@@ -301,6 +317,8 @@ async def _idle_stalls() -> tuple[float, float]:
 
 
 async def measure(root: Path, sizes: list[int], progress: Progress) -> ScaleFigures:
+    from tiered_kv.manager import RegistryTiers, TieredKV
+
     progress.step(0, len(sizes), "the idle loop's stalls")
     idle_max, idle_p99 = await _idle_stalls()
     driver = await _driver_pass(root / "driver", sizes, progress)
@@ -321,7 +339,7 @@ async def measure(root: Path, sizes: list[int], progress: Progress) -> ScaleFigu
                 rate = (_nvme_chunks(kv) - before) / (time.perf_counter() - started)
                 stall_max, stall_p99, longest_gc = await ticker.take()
                 await kv.close()
-                tiers = _TimedTiers()
+                tiers = _TimedTiers(RegistryTiers())
                 started = time.perf_counter()
                 kv = TieredKV(_config(store, sizes[-1]), tiers=tiers)
                 await kv.register(NAMESPACE, [cache])
