@@ -7,6 +7,9 @@ T1's least recently used key while T1 is above its target, else T2's. The result
 resists one-off scans (they pass through T1 only) and adapts between recency- and
 frequency-friendly workloads without a tuning knob.
 
+Victims are the leaves of the prefix tree (see :mod:`tiered_kv.policies.prefix`): a key
+whose successors are still resident is passed over in T1 or T2 until they are gone.
+
 Two departures from the paper follow from the owner's protocol. The owner evicts before
 it inserts, so a ghost hit adapts the target on the insert that follows the eviction
 and the victim choice cannot use the incoming key (the paper's tie-break "x in B2 and
@@ -19,19 +22,13 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
+from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
 
 from tiered_kv.keys import ChunkKey
-
-
-def _next_unprotected(keys: Iterator[ChunkKey], protected: Callable[[ChunkKey], bool]) -> ChunkKey | None:
-    for key in keys:
-        if not protected(key):
-            return key
-    return None
 
 
 class ARC:
@@ -43,7 +40,7 @@ class ARC:
     """
 
     name = "arc"
-    __slots__ = ("_b1", "_b2", "_t1", "_t2", "_target", "capacity")
+    __slots__ = ("_b1", "_b2", "_links", "_t1", "_t2", "_target", "capacity")
 
     def __init__(
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
@@ -54,6 +51,7 @@ class ARC:
         self._b1 = GhostQueue(capacity)
         self._b2 = GhostQueue(capacity)
         self._target = 0.0
+        self._links = PrefixLinks()
 
     @property
     def target(self) -> float:
@@ -72,10 +70,11 @@ class ARC:
             f" b1={len(self._b1)} b2={len(self._b2)} target={self._target:.1f}>"
         )
 
-    def insert(self, key: ChunkKey) -> None:
+    def insert(self, key: ChunkKey, parent: ChunkKey | None = None) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         if key in t1 or key in t2:
             raise duplicate(key)
+        self._links.link(key, parent)
         if b1.discard(key):
             self._target = min(float(self.capacity), self._target + max(1.0, len(b2) / (len(b1) + 1)))
             t2[key] = None
@@ -120,13 +119,14 @@ class ARC:
                 del self._t2[key]
             except KeyError:
                 raise missing(key) from None
+        self._links.unlink(key)
 
     def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
-        """``n`` unprotected keys by ARC's replacement rule, moved to the ghost lists.
+        """``n`` keys that may go, by ARC's replacement rule, moved to the ghost lists.
 
-        Victims are chosen by reading T1 and T2 from their old ends, and only then
-        removed, so a failure changes nothing. Costs O(n + p) for p protected keys
-        passed over; a failure has looked at every key.
+        Victims are chosen by walking T1 and T2 from their old ends, and only then
+        removed, so a failure changes nothing. Costs O(n + p) for p keys passed over
+        (protected, or with resident successors); a failure has looked at every key.
         """
         check_count(n)
         if n == 0:
@@ -134,25 +134,47 @@ class ARC:
         t1, t2 = self._t1, self._t2
         if n > len(t1) + len(t2):
             return None
-        old1, old2 = iter(t1), iter(t2)
+        if n == 1:
+            return self._evict_one(protected)
+        victims = Victims(self._links, protected)
+        walks = LeafWalk(t1, victims), LeafWalk(t2, victims)
         left_in_t1 = len(t1)
-        victims: list[ChunkKey] = []
         while len(victims) < n:
             from_t1 = left_in_t1 > 0 and left_in_t1 > self._target
-            key = _next_unprotected(old1 if from_t1 else old2, protected)
+            key = walks[not from_t1].next()
             if key is None:
                 from_t1 = not from_t1
-                key = _next_unprotected(old1 if from_t1 else old2, protected)
+                key = walks[not from_t1].next()
                 if key is None:
                     return None
             if from_t1:
                 left_in_t1 -= 1
-            victims.append(key)
-        for key in victims:
-            if key in t1:
-                del t1[key]
-                self._b1.add(key)
-            else:
-                del t2[key]
-                self._b2.add(key)
-        return victims
+            freed = victims.take(key)
+            if freed is not None and not walks[0].freed(freed):
+                walks[1].freed(freed)
+        for key in victims.keys:
+            self._to_ghost(key)
+        return victims.keys
+
+    def _evict_one(self, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
+        """:meth:`evict` of one key: the same rule without the bookkeeping of many."""
+        t1, t2, first_leaf = self._t1, self._t2, self._links.first_leaf
+        lists = (t1, t2) if t1 and len(t1) > self._target else (t2, t1)
+        key = first_leaf(lists[0], protected)
+        if key is None:
+            key = first_leaf(lists[1], protected)
+            if key is None:
+                return None
+        self._to_ghost(key)
+        return [key]
+
+    def _to_ghost(self, key: ChunkKey) -> None:
+        """Move victim ``key`` from its list to the matching ghost list."""
+        t1 = self._t1
+        if key in t1:
+            del t1[key]
+            self._b1.add(key)
+        else:
+            del self._t2[key]
+            self._b2.add(key)
+        self._links.unlink(key)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
+from tiered_kv.policies.prefix import PrefixLinks, Victims
 
 from tiered_kv.keys import ChunkKey
 
@@ -49,7 +50,7 @@ class S3FIFO:
     """
 
     name = "s3fifo"
-    __slots__ = ("_ghost", "_main", "_n_small", "_small", "_small_target", "_state", "capacity")
+    __slots__ = ("_ghost", "_links", "_main", "_n_small", "_small", "_small_target", "_state", "capacity")
 
     def __init__(
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
@@ -61,6 +62,7 @@ class S3FIFO:
         self._main: deque[ChunkKey] = deque()
         self._n_small = 0
         self._ghost = GhostQueue(max(1, capacity - self._small_target))
+        self._links = PrefixLinks()
 
     def __len__(self) -> int:
         return len(self._state)
@@ -81,10 +83,11 @@ class S3FIFO:
         except KeyError:
             raise missing(key) from None
 
-    def insert(self, key: ChunkKey) -> None:
+    def insert(self, key: ChunkKey, parent: ChunkKey | None = None) -> None:
         state = self._state
         if key in state:
             raise duplicate(key)
+        self._links.link(key, parent)
         if self._ghost.discard(key):
             state[key] = _MAIN
             self._main.append(key)
@@ -107,6 +110,7 @@ class S3FIFO:
             value = self._state.pop(key)
         except KeyError:
             raise missing(key) from None
+        self._links.unlink(key)
         if not value & _MAIN:
             self._n_small -= 1
         if len(self._small) + len(self._main) > 2 * len(self._state) + _SLACK:
@@ -128,13 +132,15 @@ class S3FIFO:
         self._main = live(self._main, _MAIN)
 
     def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
-        """``n`` unprotected keys by S3-FIFO's rule, or ``None`` changing nothing.
+        """``n`` keys that may go by S3-FIFO's rule, or ``None`` changing nothing.
 
         The queues are worked as the paper does (promotions to main, second rounds in
-        main), each step journaled; if the keys run out before ``n`` victims are found,
-        the journal is undone in reverse. Protected keys are set aside and put back at
-        the front of their queue. Amortised O(n) plus O(p) for p protected keys at the
-        fronts; a failure has looked at every key.
+        main, and the same for keys with resident successors), each step journaled; if
+        the keys run out before ``n`` victims are found — or a whole round of main finds
+        only keys with resident successors and small has none to give — the journal is
+        undone in reverse. Protected keys are set aside and put back at the front of
+        their queue. Amortised O(n) plus O(p) for p keys passed over at the fronts; a
+        failure has looked at every key.
         """
         check_count(n)
         if n == 0:
@@ -144,12 +150,15 @@ class S3FIFO:
             return None
         small, main = self._small, self._main
         n_small, target = self._n_small, self._small_target
-        victims: list[ChunkKey] = []
+        chosen = Victims(self._links, protected)
+        victims = chosen.keys
         leaving_small: list[ChunkKey] = []  # victims that become ghosts
         held: list[tuple[ChunkKey, int]] = []  # protected keys set aside, with their queue
         journal: list[tuple[ChunkKey, int, int]] = []  # (key, code, old state or -1)
+        spins = 0  # keys main sent round for their successors since it last changed
         while len(victims) < n:
-            if small and (n_small >= target or not main):
+            main_stuck = spins > len(main)
+            if small and (n_small >= target or not main or main_stuck):
                 key = small.popleft()
                 value = state.get(key, _MAIN)
                 if value & _MAIN:  # dead entry
@@ -157,18 +166,20 @@ class S3FIFO:
                 if protected(key):
                     held.append((key, 0))
                     journal.append((key, 0, -1))
-                elif value & _HITS:
+                elif value & _HITS or not chosen.is_free(key):
                     state[key] = _MAIN
                     main.append(key)
                     n_small -= 1
+                    spins = 0  # main has a key it has not been round with
                     journal.append((key, _APPENDED, value))
                 else:
                     del state[key]
                     n_small -= 1
-                    victims.append(key)
+                    chosen.take(key)
+                    spins = 0
                     leaving_small.append(key)
                     journal.append((key, 0, value))
-            elif main:
+            elif main and not main_stuck:
                 key = main.popleft()
                 value = state.get(key, 0)
                 if not value & _MAIN:  # dead entry
@@ -179,10 +190,16 @@ class S3FIFO:
                 elif value & _HITS:
                     state[key] = value - 1
                     main.append(key)
+                    spins = 0
+                    journal.append((key, _FROM_MAIN | _APPENDED, value))
+                elif not chosen.is_free(key):
+                    main.append(key)
+                    spins += 1
                     journal.append((key, _FROM_MAIN | _APPENDED, value))
                 else:
                     del state[key]
-                    victims.append(key)
+                    chosen.take(key)
+                    spins = 0
                     journal.append((key, _FROM_MAIN, value))
             else:
                 self._undo(journal)
@@ -192,6 +209,8 @@ class S3FIFO:
         self._n_small = n_small
         for key in leaving_small:
             self._ghost.add(key)
+        for key in victims:
+            self._links.unlink(key)
         return victims
 
     def _undo(self, journal: list[tuple[ChunkKey, int, int]]) -> None:

@@ -13,7 +13,7 @@ and, optionally, a quota of chunks another namespace's traffic cannot take.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from tiered_kv.errors import TieredKVError
@@ -28,13 +28,15 @@ class State(enum.Enum):
 
 
 class Residency:
-    """Where one chunk lives in one tier, and which namespace's share it counts in."""
+    """Where one chunk lives in one tier, which namespace's share it counts in, and the
+    chunk before it in its prompt (its predecessor, for prefix-aware eviction)."""
 
-    __slots__ = ("hits", "owner", "pins", "slot", "state")
+    __slots__ = ("hits", "owner", "parent", "pins", "slot", "state")
 
-    def __init__(self, slot: int, owner: str) -> None:
+    def __init__(self, slot: int, owner: str, parent: ChunkKey | None = None) -> None:
         self.slot = slot
         self.owner = owner
+        self.parent = parent
         self.state = State.PENDING
         self.pins = 0
         self.hits = 0
@@ -50,6 +52,7 @@ class Victim(NamedTuple):
     key: ChunkKey
     slot: int
     owner: str
+    parent: ChunkKey | None = None
 
 
 class Reservation:
@@ -98,6 +101,10 @@ class TierIndex:
         """The namespace whose share ``key`` counts in."""
         return self._require(key).owner
 
+    def parent(self, key: ChunkKey) -> ChunkKey | None:
+        """The predecessor ``key`` was stored with (``None``: first of its prompt, or unknown)."""
+        return self._require(key).parent
+
     def is_ready(self, key: ChunkKey) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.state is State.READY
@@ -109,15 +116,26 @@ class TierIndex:
         return len(self._entries)
 
     # -- deciding ----------------------------------------------------------------------
-    def reserve(self, keys: Iterable[ChunkKey], owner: str) -> Reservation | None:
+    def reserve(
+        self,
+        keys: Iterable[ChunkKey],
+        owner: str,
+        *,
+        parents: Mapping[ChunkKey, ChunkKey | None] | None = None,
+    ) -> Reservation | None:
         """PENDING slots for ``keys`` (none of them resident) in ``owner``'s share,
         evicting unpinned READY chunks the partition allows; ``None``, changing nothing,
-        when there is no room."""
+        when there is no room. ``parents`` names each key's predecessor (the key of the
+        previous chunk position of its prompt, resident here or not); keys it leaves out
+        start a prefix."""
         wanted = list(dict.fromkeys(keys))
+        parent_of = (parents or {}).get
         for key in wanted:
             if key in self._entries:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
-        victims = self._partition.make_room(owner, len(wanted), self._is_protected)
+            if parent_of(key) == key:
+                raise TieredKVError(f"{self.tier}: chunk {key.hex()} cannot be its own predecessor")
+        victims = self._partition.make_room(owner, len(wanted), self._is_protected, self._parent_of)
         if victims is None:
             return None
         evicted = []
@@ -125,14 +143,15 @@ class TierIndex:
             for victim in victim_keys:
                 entry = self._entries.pop(victim)
                 self._allocator.release(entry.slot)
-                evicted.append(Victim(victim, entry.slot, victim_owner))
+                evicted.append(Victim(victim, entry.slot, victim_owner, entry.parent))
         slots = self._allocator.allocate(len(wanted))
         if slots is None:  # pragma: no cover - make_room made exactly enough room
             raise TieredKVError(f"{self.tier}: allocator lost track of free slots")
         reserved = dict(zip(wanted, slots, strict=True))
         for key, slot in reserved.items():
-            self._entries[key] = Residency(slot, owner)
-            self._partition.insert(owner, key)
+            parent = parent_of(key)
+            self._entries[key] = Residency(slot, owner, parent)
+            self._partition.insert(owner, key, parent)
         return Reservation(reserved, evicted)
 
     def unreserve(self, reservation: Reservation) -> None:
@@ -142,7 +161,10 @@ class TierIndex:
         for key in reservation.slots:
             self.drop(key)
         for victim in reservation.evicted:
-            self.restore(victim.key, victim.slot, victim.owner)
+            self.restore(victim.key, victim.slot, victim.owner, victim.parent)
+
+    def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
+        return self._entries[key].parent
 
     def _is_protected(self, key: ChunkKey) -> bool:
         entry = self._entries.get(key)
@@ -165,15 +187,16 @@ class TierIndex:
         self._allocator.release(entry.slot)
         return entry.slot
 
-    def restore(self, key: ChunkKey, slot: int, owner: str) -> None:
-        """Record a READY chunk already held in ``slot`` (warm restart)."""
+    def restore(self, key: ChunkKey, slot: int, owner: str, parent: ChunkKey | None = None) -> None:
+        """Record a READY chunk already held in ``slot`` (warm restart: its predecessor is
+        not known, so it starts a prefix; or a victim put back)."""
         if key in self._entries:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         self._allocator.claim(slot)
-        entry = Residency(slot, owner)
+        entry = Residency(slot, owner, parent)
         self._entries[key] = entry
         entry.state = State.READY
-        self._partition.insert(owner, key)
+        self._partition.insert(owner, key, parent)
 
     def hit(self, key: ChunkKey) -> int:
         """Count a hit on a READY chunk; the new hit count."""

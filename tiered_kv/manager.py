@@ -724,7 +724,7 @@ class TieredKV:
             return False  # a store of it is in flight: not a hit yet
         nvme_slot = pool.nvme_index.pin(key)
         owner = pool.nvme_index.owner(key)
-        reservation = pool.cpu_index.reserve([key], owner)
+        reservation = pool.cpu_index.reserve([key], owner, parents={key: pool.nvme_index.parent(key)})
         if reservation is None:
             pool.nvme_index.unpin(key)
             log.info("tier.full", tier="cpu", namespace=pool.fingerprint, reason="promotion")
@@ -806,6 +806,8 @@ class TieredKV:
             try:
                 pools = self._pools_of(namespace)
                 planned: list[tuple[_Pool, list[tuple[ChunkKey, tuple[int, ...]]]]] = []
+                # Each chunk's predecessor, the previous position's key (stored or skipped).
+                parents: dict[ChunkKey, ChunkKey | None] = {}
                 skipped = 0
                 for pool, group_keys, table in zip(pools, keys, block_ids, strict=True):
                     k = pool.blocks_per_chunk
@@ -817,9 +819,10 @@ class TieredKV:
                         if len(blocks) < k or min(blocks) < 0 or key in seen or pool.resident_anywhere(key):
                             skipped += 1
                             continue
+                        parents[key] = group_keys[c - 1] if c else None
                         # Every chunk is a sighting; after one the filter turns away, the rest of
                         # the prefix would be unreachable, so none of it is stored.
-                        admitted = pool.admission is None or pool.admission.admit(key)
+                        admitted = pool.admission is None or pool.admission.admit(key, parents[key])
                         refused = refused or not admitted
                         if refused:
                             skipped += 1
@@ -831,7 +834,9 @@ class TieredKV:
                 reservations: list[tuple[_Pool, Reservation]] = []
                 for pool, chunks in planned:
                     owner = self._owner(pool, namespace)
-                    reservation = pool.cpu_index.reserve((key for key, _ in chunks), owner) if chunks else None
+                    reservation = (
+                        pool.cpu_index.reserve((key for key, _ in chunks), owner, parents=parents) if chunks else None
+                    )
                     if chunks and reservation is None:
                         # Nothing has been copied yet: undo the other groups' reservations,
                         # their victims included, so that a rejected store changes nothing.
@@ -939,7 +944,10 @@ class TieredKV:
         assert pool.nvme_index is not None
         pinned = [k for k in keys if pool.cpu_index.is_ready(k) and k not in pool.nvme_index]
         try:
-            chunks = [(key, pool.cpu_index.pin(key), pool.cpu_index.owner(key)) for key in pinned]
+            chunks = [
+                Victim(key, pool.cpu_index.pin(key), pool.cpu_index.owner(key), pool.cpu_index.parent(key))
+                for key in pinned
+            ]
             await self._write_nvme(pool, chunks)
         finally:
             for key in pinned:
@@ -952,14 +960,15 @@ class TieredKV:
             return
         await self._write_nvme(pool, [victim for victim in evicted if victim.key not in pool.nvme_index])
 
-    async def _write_nvme(self, pool: _Pool, chunks: Sequence[tuple[ChunkKey, int, str]]) -> None:
-        """Copy ``(key, cpu slot, owner)`` chunks into nvme slots of their owners' shares;
-        chunks no share has room for are skipped, failed copies dropped."""
+    async def _write_nvme(self, pool: _Pool, chunks: Sequence[Victim]) -> None:
+        """Copy chunks (key, cpu slot, owner, predecessor) into nvme slots of their owners'
+        shares; chunks no share has room for are skipped, failed copies dropped."""
         assert pool.nvme is not None and pool.nvme_index is not None
         ops = []
-        for owner in dict.fromkeys(owner for _, _, owner in chunks):
-            mine = [(key, slot) for key, slot, chunk_owner in chunks if chunk_owner == owner]
-            reservation = pool.nvme_index.reserve((key for key, _ in mine), owner)
+        parents = {chunk.key: chunk.parent for chunk in chunks}
+        for owner in dict.fromkeys(chunk.owner for chunk in chunks):
+            mine = [(chunk.key, chunk.slot) for chunk in chunks if chunk.owner == owner]
+            reservation = pool.nvme_index.reserve((key for key, _ in mine), owner, parents=parents)
             if reservation is None:
                 log.info("tier.full", tier="nvme", namespace=owner, n_chunks=len(mine))
                 continue
