@@ -127,7 +127,8 @@ class TierIndex:
         evicting unpinned READY chunks the partition allows; ``None``, changing nothing,
         when there is no room. ``parents`` names each key's predecessor (the key of the
         previous chunk position of its prompt, resident here or not); keys it leaves out
-        start a prefix."""
+        start a prefix. A predecessor is never evicted to make room for its successor,
+        which would leave the successor unreachable."""
         wanted = list(dict.fromkeys(keys))
         parent_of = (parents or {}).get
         for key in wanted:
@@ -135,7 +136,10 @@ class TierIndex:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
             if parent_of(key) == key:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} cannot be its own predecessor")
-        victims = self._partition.make_room(owner, len(wanted), self._is_protected, self._parent_of)
+        # The new chunks' predecessors stay, and with them every chunk before them.
+        kept = {parent for parent in map(parent_of, wanted) if parent is not None}
+        protected = self._is_protected if not kept else lambda key: key in kept or self._is_protected(key)
+        victims = self._partition.make_room(owner, len(wanted), protected, self._parent_of)
         if victims is None:
             return None
         evicted = []
