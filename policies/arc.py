@@ -8,7 +8,8 @@ resists one-off scans (they pass through T1 only) and adapts between recency- an
 frequency-friendly workloads without a tuning knob.
 
 Victims are the leaves of the prefix tree (see :mod:`tiered_kv.policies.prefix`): a key
-whose successors are still resident is passed over in T1 or T2 until they are gone.
+whose successors are still resident is parked out of T1 or T2 until they are gone, and
+then returns to the old end of its list.
 
 Two departures from the paper follow from the owner's protocol. The owner evicts before
 it inserts, so a ghost hit adapts the target on the insert that follows the eviction
@@ -30,6 +31,9 @@ from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
 
 from tiered_kv.keys import ChunkKey
 
+#: Where a key lives, for parking: T1 (seen once recently) or T2 (seen at least twice).
+_T1, _T2 = 1, 2
+_ABSENT = object()
 
 class ARC:
     """Adaptive replacement between recency (T1) and frequency (T2), with ghost lists.
@@ -51,7 +55,7 @@ class ARC:
         self._b1 = GhostQueue(capacity)
         self._b2 = GhostQueue(capacity)
         self._target = 0.0
-        self._links = PrefixLinks()
+        self._links = PrefixLinks(self._release, places=3)
 
     @property
     def target(self) -> float:
@@ -59,22 +63,26 @@ class ARC:
         return self._target
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        return len(self._t1) + len(self._t2) + self._links.parked()
 
     def __contains__(self, key: object) -> bool:
-        return key in self._t1 or key in self._t2
+        return key in self._t1 or key in self._t2 or self._links.is_parked(key)
 
     def __repr__(self) -> str:
         return (
-            f"<ARC {len(self)}/{self.capacity} t1={len(self._t1)} t2={len(self._t2)}"
-            f" b1={len(self._b1)} b2={len(self._b2)} target={self._target:.1f}>"
+            f"<ARC {len(self)}/{self.capacity} t1={self._t1_size()} t2={len(self._t2) + self._links.parked(_T2)}"
+            f" b1={len(self._b1)} b2={len(self._b2)} target={self._target:.1f} parked={self._links.parked()}>"
         )
+
+    def _t1_size(self) -> int:
+        return len(self._t1) + self._links.parked(_T1)
 
     def insert(self, key: ChunkKey, parent: ChunkKey | None = None) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        if key in t1 or key in t2:
+        if key in t1 or key in t2 or self._links.is_parked(key):
             raise duplicate(key)
-        self._links.link(key, parent)
+        if parent is not None:
+            self._links.link(key, parent)
         if b1.discard(key):
             self._target = min(float(self.capacity), self._target + max(1.0, len(b2) / (len(b1) + 1)))
             t2[key] = None
@@ -87,16 +95,16 @@ class ARC:
 
     def _trim_ghosts(self) -> None:
         """After a new key: keep |T1| + |B1| <= c, else the whole directory <= 2c (case IV)."""
-        t1, b1, b2 = self._t1, self._b1, self._b2
+        b1, b2 = self._b1, self._b2
         if not (b1 or b2):
             return
         c = self.capacity
-        over = len(t1) + len(b1) - c
+        over = self._t1_size() + len(b1) - c
         if over > 0:
             for _ in range(min(over, len(b1))):
                 b1.pop_oldest()
             return
-        over_all = over + len(self._t2) + len(b2) - c  # the whole directory above 2c
+        over_all = over + len(self._t2) + self._links.parked(_T2) + len(b2) - c  # the directory above 2c
         for _ in range(min(over_all, len(b2))):
             b2.pop_oldest()
 
@@ -105,76 +113,90 @@ class ARC:
         if key in t2:
             t2.move_to_end(key)
             return
-        try:
-            del self._t1[key]
-        except KeyError:
-            raise missing(key) from None
+        if self._t1.pop(key, _ABSENT) is _ABSENT and self._links.unpark(key) is None:
+            raise missing(key)
         t2[key] = None
 
     def remove(self, key: ChunkKey) -> None:
-        try:
-            del self._t1[key]
-        except KeyError:
-            try:
-                del self._t2[key]
-            except KeyError:
-                raise missing(key) from None
+        if (
+            self._t1.pop(key, _ABSENT) is _ABSENT
+            and self._t2.pop(key, _ABSENT) is _ABSENT
+            and not self._links.is_parked(key)
+        ):
+            raise missing(key)
         self._links.unlink(key)
+
+    def _release(self, key: ChunkKey, place: int) -> None:
+        keys = self._t1 if place == _T1 else self._t2
+        keys[key] = None
+        keys.move_to_end(key, last=False)
 
     def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
         """``n`` keys that may go, by ARC's replacement rule, moved to the ghost lists.
 
         Victims are chosen by walking T1 and T2 from their old ends, and only then
         removed, so a failure changes nothing. Costs O(n + p) for p keys passed over
-        (protected, or with resident successors); a failure has looked at every key.
+        (protected, or parked for their successors); a failure has looked at every key.
         """
         check_count(n)
         if n == 0:
             return []
-        t1, t2 = self._t1, self._t2
-        if n > len(t1) + len(t2):
+        if n > len(self):
             return None
+        t1, t2, links = self._t1, self._t2, self._links
         if n == 1:
             return self._evict_one(protected)
-        victims = Victims(self._links, protected)
-        walks = LeafWalk(t1, victims), LeafWalk(t2, victims)
-        left_in_t1 = len(t1)
+        victims = Victims(links, protected)
+        walks = {_T1: LeafWalk(t1, victims, _T1), _T2: LeafWalk(t2, victims, _T2)}
+        left_in_t1 = self._t1_size()
         while len(victims) < n:
-            from_t1 = left_in_t1 > 0 and left_in_t1 > self._target
-            key = walks[not from_t1].next()
+            place = _T1 if left_in_t1 > 0 and left_in_t1 > self._target else _T2
+            key = walks[place].next()
             if key is None:
-                from_t1 = not from_t1
-                key = walks[not from_t1].next()
+                place = _T2 if place == _T1 else _T1
+                key = walks[place].next()
                 if key is None:
                     return None
-            if from_t1:
+            if place == _T1:
                 left_in_t1 -= 1
             freed = victims.take(key)
-            if freed is not None and not walks[0].freed(freed):
-                walks[1].freed(freed)
+            if freed is not None and not walks[_T1].freed(freed):
+                walks[_T2].freed(freed)
+        for place, walk in walks.items():
+            self._park(walk.passed(), place)
         for key in victims.keys:
             self._to_ghost(key)
         return victims.keys
 
     def _evict_one(self, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
         """:meth:`evict` of one key: the same rule without the bookkeeping of many."""
-        t1, t2, first_leaf = self._t1, self._t2, self._links.first_leaf
-        lists = (t1, t2) if t1 and len(t1) > self._target else (t2, t1)
-        key = first_leaf(lists[0], protected)
-        if key is None:
-            key = first_leaf(lists[1], protected)
-            if key is None:
-                return None
-        self._to_ghost(key)
-        return [key]
+        first_leaf = self._links.first_leaf
+        in_t1 = self._t1_size()
+        places = (_T1, _T2) if in_t1 > 0 and in_t1 > self._target else (_T2, _T1)
+        for place in places:
+            key, passed = first_leaf(self._t1 if place == _T1 else self._t2, protected)
+            if key is not None:
+                if passed:
+                    self._park(passed, place)
+                self._to_ghost(key)
+                return [key]
+        return None
+
+    def _park(self, keys: list[ChunkKey], place: int) -> None:
+        """Take keys whose successors are resident out of their list until they leave."""
+        listed, park = self._t1 if place == _T1 else self._t2, self._links.park
+        for key in keys:
+            del listed[key]
+            park(key, place)
 
     def _to_ghost(self, key: ChunkKey) -> None:
-        """Move victim ``key`` from its list to the matching ghost list."""
-        t1 = self._t1
-        if key in t1:
-            del t1[key]
-            self._b1.add(key)
+        """Move victim ``key`` from its list (or its parking place) to the matching ghost list."""
+        links = self._links
+        if self._t1.pop(key, _ABSENT) is not _ABSENT:
+            place = _T1
+        elif self._t2.pop(key, _ABSENT) is not _ABSENT:
+            place = _T2
         else:
-            del self._t2[key]
-            self._b2.add(key)
-        self._links.unlink(key)
+            place = links.place_of(key)  # type: ignore[assignment]
+        (self._b1 if place == _T1 else self._b2).add(key)
+        links.unlink(key)

@@ -12,14 +12,17 @@ from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
 
 from tiered_kv.keys import ChunkKey
 
+_ABSENT = object()
+
 
 class LRU:
     """Evicts the key whose last insert or touch is oldest, leaves of the prefix tree first.
 
     One ``OrderedDict`` from least to most recently used: a touch is ``move_to_end``, an
-    eviction walks from the front past protected keys and keys whose successors are
-    still resident (see :mod:`tiered_kv.policies.prefix`). ``clock`` and ``rng`` are
-    accepted for the common constructor and unused: LRU is deterministic.
+    eviction walks from the front past protected keys, and parks keys whose successors
+    are still resident (see :mod:`tiered_kv.policies.prefix`) until they leave, when the
+    parked key returns to the front. ``clock`` and ``rng`` are accepted for the common
+    constructor and unused: LRU is deterministic.
     """
 
     name = "lru"
@@ -30,57 +33,73 @@ class LRU:
     ) -> None:
         self.capacity = check_capacity(capacity)
         self._order: OrderedDict[ChunkKey, None] = OrderedDict()
-        self._links = PrefixLinks()
+        self._links = PrefixLinks(self._release)
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + self._links.parked()
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return key in self._order or self._links.is_parked(key)
 
     def __repr__(self) -> str:
-        return f"<LRU {len(self._order)}/{self.capacity}>"
+        return f"<LRU {len(self)}/{self.capacity} parked={self._links.parked()}>"
 
     def insert(self, key: ChunkKey, parent: ChunkKey | None = None) -> None:
         order = self._order
-        if key in order:
+        if key in order or self._links.is_parked(key):
             raise duplicate(key)
-        self._links.link(key, parent)
+        if parent is not None:
+            self._links.link(key, parent)
         order[key] = None
 
     def touch(self, key: ChunkKey) -> None:
         try:
             self._order.move_to_end(key)
         except KeyError:
-            raise missing(key) from None
+            if self._links.unpark(key) is None:
+                raise missing(key) from None
+            self._order[key] = None
 
     def remove(self, key: ChunkKey) -> None:
-        try:
-            del self._order[key]
-        except KeyError:
-            raise missing(key) from None
+        if self._order.pop(key, _ABSENT) is _ABSENT and not self._links.is_parked(key):
+            raise missing(key)
         self._links.unlink(key)
+
+    def _park(self, keys: list[ChunkKey]) -> None:
+        """Take keys whose successors are resident out of the order until they leave."""
+        order, park = self._order, self._links.park
+        for key in keys:
+            del order[key]
+            park(key, 0)
+
+    def _release(self, key: ChunkKey, place: int) -> None:
+        order = self._order
+        order[key] = None
+        order.move_to_end(key, last=False)
 
     def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
         """The ``n`` least recently used keys that may go, or ``None`` changing nothing.
 
-        A key freed by the victims (its last resident successor taken) is older than the
-        walk's position and goes next. Costs O(n + p) for p keys passed over (protected,
-        or with resident successors) at the old end; a failure has looked at every key.
+        A key set free by the victims (its last resident successor taken) is older than
+        the walk's position and goes next. Costs O(n + p) for p keys passed over at the
+        old end (protected, or parked for their successors); a failure has looked at
+        every key.
         """
         check_count(n)
         if n == 0:
             return []
+        if n > len(self):
+            return None
         order, links = self._order, self._links
         if n == 1:
-            key = links.first_leaf(order, protected)
+            key, passed = links.first_leaf(order, protected)
             if key is None:
                 return None
+            if passed:
+                self._park(passed)
             del order[key]
             links.unlink(key)
             return [key]
-        if n > len(order):
-            return None
         victims = Victims(links, protected)
         walk = LeafWalk(order, victims)
         while len(victims) < n:
@@ -90,7 +109,8 @@ class LRU:
             freed = victims.take(key)
             if freed is not None:
                 walk.freed(freed)
+        self._park(walk.passed())
         for key in victims.keys:
-            del order[key]
+            order.pop(key, None)  # a parked key is not in the order
             links.unlink(key)
         return victims.keys

@@ -8,9 +8,12 @@ as a radix-tree cache evicts.
 
 :class:`PrefixLinks` holds the edges: each key's predecessor and how many resident keys
 continue each key (a count kept for absent predecessors too, so a predecessor that
-arrives after its successors finds them). :class:`Victims` and :class:`LeafWalk` choose
-victims from a policy's own order without changing anything, so a policy commits them
-only when all ``n`` were found.
+arrives after its successors finds them). A key that reaches the old end of its
+policy's order while it still has successors is *parked*: taken out of the order, so
+that later evictions do not walk past it again, and put back at the old end (the next
+to go) when its last successor leaves. :class:`Victims` and :class:`LeafWalk` choose an
+eviction's victims from a policy's order without changing anything, so a policy commits
+them only when all ``n`` were found.
 """
 
 from __future__ import annotations
@@ -21,17 +24,32 @@ from collections.abc import Callable, Iterable
 from tiered_kv.errors import PolicyError
 from tiered_kv.keys import ChunkKey
 
+#: ``release(key, place)``: put a parked key back at the old end of list ``place``.
+Release = Callable[[ChunkKey, int], None]
+
 
 class PrefixLinks:
-    """Predecessor of each resident key that has one, and resident successors per key."""
+    """Predecessors, resident successors per key, and the parked keys of one policy.
 
-    __slots__ = ("_parent", "_successors", "has_successors")
+    ``release`` is called when a parked key loses its last successor, with the list
+    (``place``, the policy's own numbering) it was parked from.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_parent", "_parked", "_parked_at", "_release", "_successors", "has_successors", "is_parked")
+
+    def __init__(self, release: Release, places: int = 1) -> None:
         self._parent: dict[ChunkKey, ChunkKey] = {}
         self._successors: dict[ChunkKey, int] = {}
+        self._parked: dict[ChunkKey, int] = {}
+        self._parked_at = [0] * places
+        self._release = release
         #: Whether a resident key names ``key`` as predecessor (one ``dict`` lookup).
-        self.has_successors: Callable[[ChunkKey], bool] = self._successors.__contains__
+        self.has_successors: Callable[[object], bool] = self._successors.__contains__
+        self.is_parked: Callable[[object], bool] = self._parked.__contains__
+
+    def parked(self, place: int | None = None) -> int:
+        """Parked keys (from list ``place``, or from all)."""
+        return len(self._parked) if place is None else self._parked_at[place]
 
     def link(self, key: ChunkKey, parent: ChunkKey | None) -> None:
         """Record that resident ``key`` continues ``parent``; call before the key counts as
@@ -45,40 +63,68 @@ class PrefixLinks:
         successors[parent] = successors.get(parent, 0) + 1
 
     def unlink(self, key: ChunkKey) -> None:
-        """Forget the edge of ``key``, which is no longer resident."""
+        """Forget ``key``, which is no longer resident (unparking it if it was parked); its
+        predecessor, if parked and now without successors, is released."""
+        if self._parked and key in self._parked:
+            self.unpark(key)
         parent = self._parent.pop(key, None)
         if parent is None:
             return
         left = self._successors[parent] - 1
         if left:
             self._successors[parent] = left
-        else:
-            del self._successors[parent]
+            return
+        del self._successors[parent]
+        place = self.unpark(parent)
+        if place is not None:
+            self._release(parent, place)
+
+    def park(self, key: ChunkKey, place: int) -> None:
+        self._parked[key] = place
+        self._parked_at[place] += 1
+
+    def unpark(self, key: ChunkKey) -> int | None:
+        """Stop counting ``key`` as parked; the list it was parked from, if it was."""
+        place = self._parked.pop(key, None)
+        if place is not None:
+            self._parked_at[place] -= 1
+        return place
+
+    def place_of(self, key: ChunkKey) -> int | None:
+        """The list a parked key came from; ``None`` if it is not parked."""
+        return self._parked.get(key)
 
     def parent(self, key: ChunkKey) -> ChunkKey | None:
         return self._parent.get(key)
+
+    def first_leaf(
+        self, keys: Iterable[ChunkKey], protected: Callable[[ChunkKey], bool]
+    ) -> tuple[ChunkKey | None, list[ChunkKey]]:
+        """The first of ``keys`` that may go on its own, and the keys passed over for
+        their successors (to be parked): the one-victim eviction, without the
+        bookkeeping of :class:`Victims`."""
+        has_successors = self.has_successors
+        passed = []
+        for key in keys:
+            if protected(key):
+                continue
+            if not has_successors(key):
+                return key, passed
+            passed.append(key)
+        return None, passed
 
     def successors(self, key: ChunkKey) -> int:
         """Resident keys that name ``key`` as predecessor."""
         return self._successors.get(key, 0)
 
-    def first_leaf(self, keys: Iterable[ChunkKey], protected: Callable[[ChunkKey], bool]) -> ChunkKey | None:
-        """The first of ``keys`` that may go on its own: the single-victim case, without
-        the bookkeeping of :class:`Victims`."""
-        has_successors = self.has_successors
-        for key in keys:
-            if not protected(key) and not has_successors(key):
-                return key
-        return None
-
 
 class Victims:
     """The victims one eviction call has chosen so far, and the keys they set free."""
 
-    __slots__ = ("_links", "_taken", "keys", "protected")
+    __slots__ = ("_taken", "keys", "links", "protected")
 
     def __init__(self, links: PrefixLinks, protected: Callable[[ChunkKey], bool]) -> None:
-        self._links = links
+        self.links = links
         self.protected = protected
         self.keys: list[ChunkKey] = []
         self._taken: dict[ChunkKey, int] = {}  # successors of a key among the victims
@@ -88,36 +134,39 @@ class Victims:
 
     def is_free(self, key: ChunkKey) -> bool:
         """Whether every resident successor of ``key`` is already a victim."""
-        return self._links.successors(key) == self._taken.get(key, 0)
+        return self.links.successors(key) == self._taken.get(key, 0)
 
     def take(self, key: ChunkKey) -> ChunkKey | None:
         """Add victim ``key``; its predecessor if that has just lost its last successor."""
         self.keys.append(key)
-        parent = self._links.parent(key)
+        parent = self.links.parent(key)
         if parent is None:
             return None
         taken = self._taken.get(parent, 0) + 1
         self._taken[parent] = taken
-        return parent if taken == self._links.successors(parent) else None
+        return parent if taken == self.links.successors(parent) else None
 
 
 class LeafWalk:
-    """One list of a policy, oldest first, yielding the keys that may be evicted now:
-    unprotected, with no resident successor left.
+    """List ``place`` of a policy, oldest first, yielding the keys that may be evicted
+    now: unprotected, with no resident successor left.
 
-    A key passed over because it still has successors is remembered; when the victims
-    set it free it comes next (before any key not yet reached, which is newer), oldest
-    passed key first. The list must not change while the walk runs.
+    A key passed over because it still has successors is remembered (to be parked if the
+    eviction succeeds); when the victims set it free, or free a key parked from this
+    list, that key comes next — before any key not yet reached, which is newer — oldest
+    first. The list must not change while the walk runs.
     """
 
-    __slots__ = ("_keys", "_passed", "_ready", "_seen", "_victims")
+    __slots__ = ("_keys", "_parked_rank", "_passed", "_place", "_ready", "_seen", "_victims")
 
-    def __init__(self, keys: Iterable[ChunkKey], victims: Victims) -> None:
+    def __init__(self, keys: Iterable[ChunkKey], victims: Victims, place: int = 0) -> None:
         self._keys = iter(keys)
         self._victims = victims
-        self._passed: dict[ChunkKey, int] = {}  # key -> its place in the list
+        self._place = place
+        self._passed: dict[ChunkKey, int] = {}  # key -> its rank in the list
         self._ready: list[tuple[int, ChunkKey]] = []
         self._seen = 0
+        self._parked_rank = 0  # parked keys rank before every key of the list
 
     def next(self) -> ChunkKey | None:
         """The next key that may go, or ``None`` when the list has none left."""
@@ -134,10 +183,18 @@ class LeafWalk:
         return None
 
     def freed(self, key: ChunkKey) -> bool:
-        """``key`` has lost its last successor to the victims; true if this walk had
-        passed it over (it is then ready to go)."""
-        place = self._passed.pop(key, None)
-        if place is None:
-            return False
-        heapq.heappush(self._ready, (place, key))
+        """``key`` has lost its last successor to the victims; true if it belongs to this
+        walk (passed over, or parked from this list) and may go."""
+        rank = self._passed.pop(key, None)
+        if rank is None:
+            links = self._victims.links
+            if links.place_of(key) != self._place or self._victims.protected(key):
+                return False
+            self._parked_rank -= 1
+            rank = self._parked_rank
+        heapq.heappush(self._ready, (rank, key))
         return True
+
+    def passed(self) -> list[ChunkKey]:
+        """The keys passed over that still have successors: to be parked."""
+        return list(self._passed)
