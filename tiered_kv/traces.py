@@ -370,12 +370,9 @@ def replay(
                 touch(key)
         missing = [i for i in range(found, len(keys)) if not contains(keys[i])]
         resident_mine = len(keys) - len(missing)
-
-        def parent(i: int) -> ChunkKey | None:
-            return keys[i - 1] if predecessors and i else None
-
+        parents = (None, *keys[:-1]) if predecessors else (None,) * len(keys)
         if admission is not None:
-            admitted = [admission.admit(keys[i], parent(i)) for i in missing]  # every chunk is sighted
+            admitted = [admission.admit(keys[i], parents[i]) for i in missing]  # every chunk is sighted
             missing = missing[: admitted.index(False)] if False in admitted else missing
         missing = missing[: capacity - resident_mine]
         if missing:
@@ -384,7 +381,7 @@ def replay(
             if excess > 0 and policy.evict(excess, mine.__contains__) is None:
                 raise PolicyError(f"{policy.name} could not evict {excess} unprotected keys it holds")
             for i in reversed(missing) if tail_first else missing:
-                insert(keys[i], parent(i))
+                insert(keys[i], parents[i])
             stored += len(missing)
         if tail_first:
             for key in reversed(keys[:found]):
