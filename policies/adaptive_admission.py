@@ -9,7 +9,7 @@ have slots would still be resident had it been stored. This filter measures that
 distance on chunks it turned away (only those: a stored chunk that is read again is a
 hit, which a filter never sees) and admits everything while most returning chunks come
 back within that horizon. While it admits everything it still turns away a fixed
-sample of prompts (one in 32, chosen by key) to keep measuring.
+sample of prompts (every 32nd run) to keep measuring.
 
 A *run* is a prompt's consecutive missing chunks (each continuing the one asked about
 before it); a decision to admit or refuse holds for the whole run, since the owner
@@ -26,7 +26,7 @@ from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import PolicyError
 from tiered_kv.keys import ChunkKey
 
-#: While admitting everything, runs whose first key falls in this sample are refused.
+#: While admitting everything, one run in this many is refused, to keep measuring.
 OBSERVED_ONE_IN = 32
 #: The manager's table remembers this many times the chunks of the tiers behind it.
 TABLE_PER_SLOT = 4
@@ -49,6 +49,7 @@ class AdaptiveSeenK:
         "_near",
         "_previous",
         "_run_admitted",
+        "_runs",
         "_sightings",
         "_table",
         "capacity",
@@ -68,6 +69,7 @@ class AdaptiveSeenK:
         self._decay = 1.0 - 1.0 / max(_MIN_EVIDENCE, self.horizon)
         self._near = self._far = 0.0
         self._sightings = 0
+        self._runs = 0
         self._previous: ChunkKey | None = None
         self._run_admitted = True
         # key -> (sighting at which it was turned away, or -1 if it was admitted; sightings)
@@ -84,7 +86,8 @@ class AdaptiveSeenK:
     def admit(self, key: ChunkKey, parent: ChunkKey | None = None) -> bool:
         self._sightings += 1
         if parent is None or parent != self._previous:
-            self._run_admitted = self.lenient and key[-1] % OBSERVED_ONE_IN != 0
+            self._runs += 1
+            self._run_admitted = self.lenient and self._runs % OBSERVED_ONE_IN != 0
         self._previous = key
         table = self._table
         entry = table.pop(key, None)

@@ -104,7 +104,7 @@ class PrefixLinks:
         their successors (to be parked): the one-victim eviction, without the
         bookkeeping of :class:`Victims`."""
         has_successors = self.has_successors
-        passed = []
+        passed: list[ChunkKey] = []
         for key in keys:
             if protected(key):
                 continue

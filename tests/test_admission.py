@@ -70,12 +70,6 @@ def test_they_are_registered_and_speak_the_protocol() -> None:
 # seen_adaptive
 
 
-def unobserved(i: int) -> bytes:
-    """A key outside the observed sample (its last byte is not a multiple of 32)."""
-    key = chunk_key(i)
-    return key if key[-1] % OBSERVED_ONE_IN else chunk_key(i + 1_000_000 + 1)
-
-
 def run(admission: AdaptiveSeenK, keys: list[bytes]) -> list[bool]:
     """One prompt's missing chunks, each continuing the one before."""
     parent = None
@@ -92,22 +86,25 @@ def test_adaptive_rejects_a_bad_table_size_or_k(capacity: int, k: int) -> None:
         AdaptiveSeenK(capacity, k=k)
 
 
-def test_adaptive_starts_by_admitting_everything_outside_its_sample() -> None:
+def test_adaptive_starts_by_admitting_every_run_but_a_sample() -> None:
     admission = AdaptiveSeenK(400)
-    assert run(admission, [unobserved(i) for i in range(1, 20)]) == [True] * 19
-    sampled = chunk_key(OBSERVED_ONE_IN)  # in the observed sample: its run is refused, as a whole
-    assert run(admission, [sampled, unobserved(5001), unobserved(5002)]) == [False, False, False]
+    runs = [run(admission, [chunk_key(1000 * r + i) for i in range(3)]) for r in range(1, 2 * OBSERVED_ONE_IN + 1)]
+    refused = [r for r, admitted in enumerate(runs, start=1) if admitted != [True] * 3]
+    assert refused == [OBSERVED_ONE_IN, 2 * OBSERVED_ONE_IN]
+    assert runs[OBSERVED_ONE_IN - 1] == [False, False, False]  # refused as a whole
+
+
+_fresh = iter(range(10_000_000, 100_000_000))
 
 
 def sightings_with_reuse_distance(admission: AdaptiveSeenK, distance: int, rounds: int) -> None:
-    """Sampled (observed) keys that come back ``distance`` sightings later, among fillers."""
-    filler = 10_000_000
-    for r in range(rounds):
-        key = chunk_key(OBSERVED_ONE_IN * (r + 1))
-        admission.admit(key)
+    """Each round: fresh one-chunk prompts until one is turned away, then ``distance - 1``
+    others, then the turned-away one again."""
+    for _ in range(rounds):
+        while admission.admit(key := chunk_key(next(_fresh))):
+            pass
         for _ in range(distance - 1):
-            filler += 1
-            admission.admit(unobserved(filler))
+            admission.admit(chunk_key(next(_fresh)))
         admission.admit(key)
 
 
@@ -115,7 +112,7 @@ def test_adaptive_turns_strict_when_chunks_come_back_beyond_what_the_tiers_hold(
     admission = AdaptiveSeenK(400)  # the tiers hold 100 chunks
     sightings_with_reuse_distance(admission, 150, rounds=10)
     assert not admission.lenient
-    fresh = [unobserved(90_000_000 + i) for i in range(3)]
+    fresh = [chunk_key(next(_fresh)) for _ in range(3)]
     assert run(admission, fresh) == [False, False, False]
     assert run(admission, fresh) == [True, True, True]  # the second sighting
 
@@ -124,7 +121,6 @@ def test_adaptive_stays_lenient_when_chunks_come_back_within_what_the_tiers_hold
     admission = AdaptiveSeenK(400)
     sightings_with_reuse_distance(admission, 50, rounds=10)
     assert admission.lenient
-    assert run(admission, [unobserved(90_000_000 + i) for i in range(3)]) == [True, True, True]
 
 
 def test_adaptive_turns_lenient_again_when_reuse_comes_closer() -> None:

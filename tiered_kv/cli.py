@@ -1,4 +1,5 @@
-"""The ``tiered-kv`` command line: ``tiered-kv bench [SECTION ...]``, ``tiered-kv inspect DIR``.
+"""The ``tiered-kv`` command line: ``tiered-kv bench [SECTION ...]``, ``tiered-kv inspect DIR``,
+``tiered-kv plan --trace FILE``.
 
 The CLI is the one place that configures structlog (console or JSON lines); the library
 only emits events.
@@ -15,6 +16,7 @@ import structlog
 
 from tiered_kv.bench import add_bench_parser
 from tiered_kv.inspect_command import add_inspect_parser
+from tiered_kv.plan_command import add_plan_parser
 
 
 def configure_logging(fmt: str, level: str) -> None:
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_bench_parser(subparsers)
     add_inspect_parser(subparsers)
+    add_plan_parser(subparsers)
     return parser
 
 

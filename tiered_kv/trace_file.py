@@ -126,9 +126,7 @@ def parse_lines(
         if line.timestamp < latest:
             out_of_order += 1
         latest = max(latest, line.timestamp)
-        requests.append(
-            (line.timestamp, prompt.request(arrival_ms=line.timestamp, output_tokens=line.output_length))
-        )
+        requests.append((line.timestamp, prompt.request(arrival_ms=line.timestamp, output_tokens=line.output_length)))
     if not requests:
         first = f": line {bad[0].line}: {bad[0].reason}" if bad else ": it has no lines"
         raise TraceFormatError(
