@@ -24,6 +24,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import cast
 
 from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
@@ -33,12 +34,15 @@ from tiered_kv.keys import ChunkKey
 
 #: Where a key lives, for parking: T1 (seen once recently) or T2 (seen at least twice).
 _T1, _T2 = 1, 2
-_ABSENT = object()
+#: Marks "not in this list" where a predecessor (a key or ``None``) is expected.
+_ABSENT = cast("ChunkKey | None", object())
+
 
 class ARC:
     """Adaptive replacement between recency (T1) and frequency (T2), with ghost lists.
 
-    T1 and T2 are ``OrderedDict``s (least recently used first); B1 and B2 are
+    T1 and T2 are ``OrderedDict``s (least recently used first, each key mapped to its
+    predecessor); B1 and B2 are
     :class:`GhostQueue`s. Resident keys plus ghosts never exceed ``2 * capacity``.
     ``clock`` and ``rng`` are accepted for the common constructor and unused.
     """
@@ -50,8 +54,8 @@ class ARC:
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
     ) -> None:
         self.capacity = check_capacity(capacity)
-        self._t1: OrderedDict[ChunkKey, None] = OrderedDict()
-        self._t2: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._t1: OrderedDict[ChunkKey, ChunkKey | None] = OrderedDict()
+        self._t2: OrderedDict[ChunkKey, ChunkKey | None] = OrderedDict()
         self._b1 = GhostQueue(capacity)
         self._b2 = GhostQueue(capacity)
         self._target = 0.0
@@ -85,12 +89,12 @@ class ARC:
             self._links.link(key, parent)
         if b1.discard(key):
             self._target = min(float(self.capacity), self._target + max(1.0, len(b2) / (len(b1) + 1)))
-            t2[key] = None
+            t2[key] = parent
         elif b2.discard(key):
             self._target = max(0.0, self._target - max(1.0, len(b1) / (len(b2) + 1)))
-            t2[key] = None
+            t2[key] = parent
         else:
-            t1[key] = None
+            t1[key] = parent
             self._trim_ghosts()
 
     def _trim_ghosts(self) -> None:
@@ -113,22 +117,39 @@ class ARC:
         if key in t2:
             t2.move_to_end(key)
             return
-        if self._t1.pop(key, _ABSENT) is _ABSENT and self._links.unpark(key) is None:
-            raise missing(key)
-        t2[key] = None
+        parent = self._t1.pop(key, _ABSENT)
+        if parent is _ABSENT:
+            parked = self._links.unpark(key)
+            if parked is None:
+                raise missing(key)
+            parent = parked[1]
+        t2[key] = parent
 
     def remove(self, key: ChunkKey) -> None:
-        if (
-            self._t1.pop(key, _ABSENT) is _ABSENT
-            and self._t2.pop(key, _ABSENT) is _ABSENT
-            and not self._links.is_parked(key)
-        ):
-            raise missing(key)
-        self._links.unlink(key)
+        self._links.unlink(key, self._take_out(key)[1])
 
-    def _release(self, key: ChunkKey, place: int) -> None:
+    def _take_out(self, key: ChunkKey) -> tuple[int, ChunkKey | None]:
+        """Drop ``key`` from T1, T2 or the parked keys: where it was, and its predecessor."""
+        parent = self._t1.pop(key, _ABSENT)
+        if parent is not _ABSENT:
+            return _T1, parent
+        parent = self._t2.pop(key, _ABSENT)
+        if parent is not _ABSENT:
+            return _T2, parent
+        parked = self._links.unpark(key)
+        if parked is None:
+            raise missing(key)
+        return parked
+
+    def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
+        parent = self._t1.get(key, _ABSENT)
+        if parent is _ABSENT:
+            parent = self._t2.get(key, _ABSENT)
+        return self._links.parked_parent(key) if parent is _ABSENT else parent
+
+    def _release(self, key: ChunkKey, place: int, parent: ChunkKey | None) -> None:
         keys = self._t1 if place == _T1 else self._t2
-        keys[key] = None
+        keys[key] = parent
         keys.move_to_end(key, last=False)
 
     def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
@@ -146,7 +167,7 @@ class ARC:
         t1, t2, links = self._t1, self._t2, self._links
         if n == 1:
             return self._evict_one(protected)
-        victims = Victims(links, protected)
+        victims = Victims(links, self._parent_of, protected)
         walks = {_T1: LeafWalk(t1, victims, _T1), _T2: LeafWalk(t2, victims, _T2)}
         left_in_t1 = self._t1_size()
         while len(victims) < n:
@@ -186,17 +207,10 @@ class ARC:
         """Take keys whose successors are resident out of their list until they leave."""
         listed, park = self._t1 if place == _T1 else self._t2, self._links.park
         for key in keys:
-            del listed[key]
-            park(key, place)
+            park(key, place, listed.pop(key))
 
     def _to_ghost(self, key: ChunkKey) -> None:
         """Move victim ``key`` from its list (or its parking place) to the matching ghost list."""
-        links = self._links
-        if self._t1.pop(key, _ABSENT) is not _ABSENT:
-            place = _T1
-        elif self._t2.pop(key, _ABSENT) is not _ABSENT:
-            place = _T2
-        else:
-            place = links.place_of(key)  # type: ignore[assignment]
+        place, parent = self._take_out(key)
         (self._b1 if place == _T1 else self._b2).add(key)
-        links.unlink(key)
+        self._links.unlink(key, parent)

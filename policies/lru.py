@@ -6,23 +6,26 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import cast
 
 from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
 from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
 
 from tiered_kv.keys import ChunkKey
 
-_ABSENT = object()
+#: Marks "not in the order" where a predecessor (a key or ``None``) is expected.
+_ABSENT = cast("ChunkKey | None", object())
 
 
 class LRU:
     """Evicts the key whose last insert or touch is oldest, leaves of the prefix tree first.
 
-    One ``OrderedDict`` from least to most recently used: a touch is ``move_to_end``, an
-    eviction walks from the front past protected keys, and parks keys whose successors
-    are still resident (see :mod:`tiered_kv.policies.prefix`) until they leave, when the
-    parked key returns to the front. ``clock`` and ``rng`` are accepted for the common
-    constructor and unused: LRU is deterministic.
+    One ``OrderedDict`` from least to most recently used, mapping each key to its
+    predecessor: a touch is ``move_to_end``, an eviction walks from the front past
+    protected keys, and parks keys whose successors are still resident (see
+    :mod:`tiered_kv.policies.prefix`) until they leave, when the parked key returns to
+    the front. ``clock`` and ``rng`` are accepted for the common constructor and unused:
+    LRU is deterministic.
     """
 
     name = "lru"
@@ -32,7 +35,7 @@ class LRU:
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
     ) -> None:
         self.capacity = check_capacity(capacity)
-        self._order: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._order: OrderedDict[ChunkKey, ChunkKey | None] = OrderedDict()
         self._links = PrefixLinks(self._release)
 
     def __len__(self) -> int:
@@ -50,31 +53,43 @@ class LRU:
             raise duplicate(key)
         if parent is not None:
             self._links.link(key, parent)
-        order[key] = None
+        order[key] = parent
 
     def touch(self, key: ChunkKey) -> None:
         try:
             self._order.move_to_end(key)
         except KeyError:
-            if self._links.unpark(key) is None:
+            parked = self._links.unpark(key)
+            if parked is None:
                 raise missing(key) from None
-            self._order[key] = None
+            self._order[key] = parked[1]
 
     def remove(self, key: ChunkKey) -> None:
-        if self._order.pop(key, _ABSENT) is _ABSENT and not self._links.is_parked(key):
-            raise missing(key)
-        self._links.unlink(key)
+        self._links.unlink(key, self._take_out(key))
+
+    def _take_out(self, key: ChunkKey) -> ChunkKey | None:
+        """Drop ``key`` from the order, or from the parked keys; its predecessor."""
+        parent = self._order.pop(key, _ABSENT)
+        if parent is _ABSENT:
+            parked = self._links.unpark(key)
+            if parked is None:
+                raise missing(key)
+            parent = parked[1]
+        return parent
+
+    def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
+        parent = self._order.get(key, _ABSENT)
+        return self._links.parked_parent(key) if parent is _ABSENT else parent
 
     def _park(self, keys: list[ChunkKey]) -> None:
         """Take keys whose successors are resident out of the order until they leave."""
         order, park = self._order, self._links.park
         for key in keys:
-            del order[key]
-            park(key, 0)
+            park(key, 0, order.pop(key))
 
-    def _release(self, key: ChunkKey, place: int) -> None:
+    def _release(self, key: ChunkKey, place: int, parent: ChunkKey | None) -> None:
         order = self._order
-        order[key] = None
+        order[key] = parent
         order.move_to_end(key, last=False)
 
     def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
@@ -97,10 +112,9 @@ class LRU:
                 return None
             if passed:
                 self._park(passed)
-            del order[key]
-            links.unlink(key)
+            links.unlink(key, order.pop(key))
             return [key]
-        victims = Victims(links, protected)
+        victims = Victims(links, self._parent_of, protected)
         walk = LeafWalk(order, victims)
         while len(victims) < n:
             key = walk.next()
@@ -111,6 +125,5 @@ class LRU:
                 walk.freed(freed)
         self._park(walk.passed())
         for key in victims.keys:
-            order.pop(key, None)  # a parked key is not in the order
-            links.unlink(key)
+            links.unlink(key, self._take_out(key))
         return victims.keys

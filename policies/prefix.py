@@ -24,23 +24,25 @@ from collections.abc import Callable, Iterable
 from tiered_kv.errors import PolicyError
 from tiered_kv.keys import ChunkKey
 
-#: ``release(key, place)``: put a parked key back at the old end of list ``place``.
-Release = Callable[[ChunkKey, int], None]
+#: ``release(key, place, parent)``: put a parked key back at the old end of list ``place``.
+Release = Callable[[ChunkKey, int, "ChunkKey | None"], None]
 
 
 class PrefixLinks:
-    """Predecessors, resident successors per key, and the parked keys of one policy.
+    """Resident successors per key, and the parked keys of one policy.
 
-    ``release`` is called when a parked key loses its last successor, with the list
-    (``place``, the policy's own numbering) it was parked from.
+    The policy keeps each key's predecessor itself (usually as the value of the ``dict``
+    that orders its keys) and names it here on :meth:`link` and :meth:`unlink`; a parked
+    key's predecessor is kept here while it is out of the policy's lists. ``release`` is
+    called when a parked key loses its last successor, with the list (``place``, the
+    policy's own numbering) it was parked from.
     """
 
-    __slots__ = ("_parent", "_parked", "_parked_at", "_release", "_successors", "has_successors", "is_parked")
+    __slots__ = ("_parked", "_parked_at", "_release", "_successors", "has_successors", "is_parked")
 
     def __init__(self, release: Release, places: int = 1) -> None:
-        self._parent: dict[ChunkKey, ChunkKey] = {}
         self._successors: dict[ChunkKey, int] = {}
-        self._parked: dict[ChunkKey, int] = {}
+        self._parked: dict[ChunkKey, tuple[int, ChunkKey | None]] = {}
         self._parked_at = [0] * places
         self._release = release
         #: Whether a resident key names ``key`` as predecessor (one ``dict`` lookup).
@@ -52,22 +54,18 @@ class PrefixLinks:
         return len(self._parked) if place is None else self._parked_at[place]
 
     def link(self, key: ChunkKey, parent: ChunkKey | None) -> None:
-        """Record that resident ``key`` continues ``parent``; call before the key counts as
-        resident, so that a bad parent changes nothing."""
+        """Count resident ``key`` as a successor of ``parent``; call before the key counts
+        as resident, so that a bad parent changes nothing."""
         if parent is None:
             return
         if parent == key:
             raise PolicyError(f"key {key.hex()} cannot be its own predecessor")
-        self._parent[key] = parent
         successors = self._successors
         successors[parent] = successors.get(parent, 0) + 1
 
-    def unlink(self, key: ChunkKey) -> None:
-        """Forget ``key``, which is no longer resident (unparking it if it was parked); its
+    def unlink(self, key: ChunkKey, parent: ChunkKey | None) -> None:
+        """``key``, a successor of ``parent``, is no longer resident (nor parked); its
         predecessor, if parked and now without successors, is released."""
-        if self._parked and key in self._parked:
-            self.unpark(key)
-        parent = self._parent.pop(key, None)
         if parent is None:
             return
         left = self._successors[parent] - 1
@@ -75,27 +73,33 @@ class PrefixLinks:
             self._successors[parent] = left
             return
         del self._successors[parent]
-        place = self.unpark(parent)
-        if place is not None:
-            self._release(parent, place)
+        parked = self.unpark(parent)
+        if parked is not None:
+            self._release(parent, *parked)
 
-    def park(self, key: ChunkKey, place: int) -> None:
-        self._parked[key] = place
+    def park(self, key: ChunkKey, place: int, parent: ChunkKey | None) -> None:
+        self._parked[key] = (place, parent)
         self._parked_at[place] += 1
 
-    def unpark(self, key: ChunkKey) -> int | None:
-        """Stop counting ``key`` as parked; the list it was parked from, if it was."""
-        place = self._parked.pop(key, None)
-        if place is not None:
-            self._parked_at[place] -= 1
-        return place
+    def unpark(self, key: ChunkKey) -> tuple[int, ChunkKey | None] | None:
+        """Stop counting ``key`` as parked: the list it was parked from and its
+        predecessor, if it was."""
+        parked = self._parked.pop(key, None)
+        if parked is not None:
+            self._parked_at[parked[0]] -= 1
+        return parked
 
     def place_of(self, key: ChunkKey) -> int | None:
         """The list a parked key came from; ``None`` if it is not parked."""
-        return self._parked.get(key)
+        parked = self._parked.get(key)
+        return None if parked is None else parked[0]
 
-    def parent(self, key: ChunkKey) -> ChunkKey | None:
-        return self._parent.get(key)
+    def parked_parent(self, key: ChunkKey) -> ChunkKey | None:
+        return self._parked[key][1]
+
+    def successors(self, key: ChunkKey) -> int:
+        """Resident keys that name ``key`` as predecessor."""
+        return self._successors.get(key, 0)
 
     def first_leaf(
         self, keys: Iterable[ChunkKey], protected: Callable[[ChunkKey], bool]
@@ -113,18 +117,20 @@ class PrefixLinks:
             passed.append(key)
         return None, passed
 
-    def successors(self, key: ChunkKey) -> int:
-        """Resident keys that name ``key`` as predecessor."""
-        return self._successors.get(key, 0)
-
 
 class Victims:
     """The victims one eviction call has chosen so far, and the keys they set free."""
 
-    __slots__ = ("_taken", "keys", "links", "protected")
+    __slots__ = ("_parent_of", "_taken", "keys", "links", "protected")
 
-    def __init__(self, links: PrefixLinks, protected: Callable[[ChunkKey], bool]) -> None:
+    def __init__(
+        self,
+        links: PrefixLinks,
+        parent_of: Callable[[ChunkKey], ChunkKey | None],
+        protected: Callable[[ChunkKey], bool],
+    ) -> None:
         self.links = links
+        self._parent_of = parent_of
         self.protected = protected
         self.keys: list[ChunkKey] = []
         self._taken: dict[ChunkKey, int] = {}  # successors of a key among the victims
@@ -139,7 +145,7 @@ class Victims:
     def take(self, key: ChunkKey) -> ChunkKey | None:
         """Add victim ``key``; its predecessor if that has just lost its last successor."""
         self.keys.append(key)
-        parent = self.links.parent(key)
+        parent = self._parent_of(key)
         if parent is None:
             return None
         taken = self._taken.get(parent, 0) + 1

@@ -55,7 +55,17 @@ class S3FIFO:
     """
 
     name = "s3fifo"
-    __slots__ = ("_ghost", "_links", "_main", "_n_small", "_small", "_small_target", "_state", "capacity")
+    __slots__ = (
+        "_ghost",
+        "_links",
+        "_main",
+        "_n_small",
+        "_parents",
+        "_small",
+        "_small_target",
+        "_state",
+        "capacity",
+    )
 
     def __init__(
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
@@ -68,6 +78,7 @@ class S3FIFO:
         self._n_small = 0
         self._ghost = GhostQueue(max(1, capacity - self._small_target))
         self._links = PrefixLinks(self._release, places=2)
+        self._parents: dict[ChunkKey, ChunkKey] = {}  # resident key -> its predecessor, if it has one
 
     def __len__(self) -> int:
         return len(self._state)
@@ -94,6 +105,7 @@ class S3FIFO:
             raise duplicate(key)
         if parent is not None:
             self._links.link(key, parent)
+            self._parents[key] = parent
         if self._ghost.discard(key):
             state[key] = _MAIN
             self._main.append(key)
@@ -116,7 +128,8 @@ class S3FIFO:
             value = self._state.pop(key)
         except KeyError:
             raise missing(key) from None
-        self._links.unlink(key)
+        self._links.unpark(key)
+        self._links.unlink(key, self._parents.pop(key, None))
         if not value & _MAIN:
             self._n_small -= 1
         if len(self._small) + len(self._main) > 2 * len(self._state) + _SLACK:
@@ -137,7 +150,7 @@ class S3FIFO:
         self._small = live(self._small, 0)
         self._main = live(self._main, _MAIN)
 
-    def _release(self, key: ChunkKey, place: int) -> None:
+    def _release(self, key: ChunkKey, place: int, parent: ChunkKey | None) -> None:
         (self._main if place == _MAIN_QUEUE else self._small).appendleft(key)
 
     def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
@@ -159,7 +172,7 @@ class S3FIFO:
             return None
         small, main = self._small, self._main
         n_small, target = self._n_small, self._small_target
-        chosen = Victims(links, protected)
+        chosen = Victims(links, self._parents.get, protected)
         victims = chosen.keys
         leaving_small: list[ChunkKey] = []  # victims that become ghosts
         held: list[tuple[ChunkKey, int]] = []  # protected keys set aside, with their queue
@@ -217,12 +230,13 @@ class S3FIFO:
         for key, code in reversed(held):
             (main if code else small).appendleft(key)
         for key, code in parking.items():
-            links.park(key, _MAIN_QUEUE if code else _SMALL_QUEUE)
+            links.park(key, _MAIN_QUEUE if code else _SMALL_QUEUE, None)
         self._n_small = n_small
         for key in leaving_small:
             self._ghost.add(key)
+        parents = self._parents
         for key in victims:
-            links.unlink(key)
+            links.unlink(key, parents.pop(key, None))
         return victims
 
     def _requeue(
@@ -255,7 +269,7 @@ class S3FIFO:
             if code & _REQUEUED:
                 queue.popleft()
                 if old >= 0:  # an earlier eviction had parked it
-                    self._links.park(key, old)
+                    self._links.park(key, old, None)
                 continue
             if code & _APPENDED:
                 main.pop()

@@ -76,6 +76,8 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
 
     policy: str
     admission: str | None = None
+    #: Sightings the filter waits for, if it counts them.
+    k: int = ADMISSION_K
 
     @property
     def name(self) -> str:
@@ -85,7 +87,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
         admission = (
             None
             if self.admission is None
-            else make_admission_filter(self.admission, ADMISSION_TABLE_PER_CHUNK * capacity, k=ADMISSION_K)
+            else make_admission_filter(self.admission, ADMISSION_TABLE_PER_CHUNK * capacity, k=self.k)
         )
         return replay(requests, make_policy(self.policy, capacity), capacity, admission=admission)
 

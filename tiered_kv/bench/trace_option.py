@@ -1,0 +1,43 @@
+"""``--trace FILE`` and ``--trace-block-tokens N``: the bench sections that replay traces
+(``workload``, ``policies``) replay a Mooncake-format file instead of their synthetic
+traces. Each section adds the options from its own ``add_arguments``; the first to do
+so adds them, so a bare ``tiered-kv bench --trace FILE`` gives the file to both."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tiered_kv.trace_file import MOONCAKE_BLOCK_TOKENS, FileTrace, read_trace
+
+
+def add_trace_arguments(parser: argparse._ArgumentGroup) -> None:
+    """Add the options unless another section's group of the same parser already has."""
+    if "--trace" in parser._option_string_actions:
+        return
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="workload and policies: replay this Mooncake-format trace (JSONL) instead of the synthetic ones",
+    )
+    parser.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=MOONCAKE_BLOCK_TOKENS,
+        metavar="N",
+        help=f"tokens per hash id in --trace (default {MOONCAKE_BLOCK_TOKENS}); mapped onto --chunk-tokens",
+    )
+
+
+def bench_trace(args: argparse.Namespace, chunk_tokens: int) -> FileTrace | None:
+    """The ``--trace`` file keyed at ``chunk_tokens``, or ``None`` without one; bad lines
+    are reported on stderr."""
+    path: Path | None = getattr(args, "trace", None)
+    if path is None:
+        return None
+    trace = read_trace(path, block_tokens=args.trace_block_tokens, chunk_tokens=chunk_tokens)
+    if trace.bad_lines:
+        print(trace.describe_bad_lines(), file=sys.stderr)
+    return trace
