@@ -204,8 +204,8 @@ async def _replay(
                     await kv.finish_request(str(i))
             await kv.drain()
             stats = kv.statistics()
-    start = (requests[0].arrival_ms or 0.0) if requests else 0.0
-    arrived = [((r.arrival_ms or 0.0) - start) / 1e3 for r in requests] if arrivals else None
+    first_ms = (requests[0].arrival_ms or 0.0) if requests else 0.0
+    arrived = [((r.arrival_ms or 0.0) - first_ms) / 1e3 for r in requests] if arrivals else None
     recompute_s = mean_ttft_s([r.prompt_tokens / speed for r in requests], arrived)
     cached_s = mean_ttft_s(cached_services, arrived)
     n = len(requests)
