@@ -118,12 +118,7 @@ class ARC:
             t2.move_to_end(key)
             return
         parent = self._t1.pop(key, _ABSENT)
-        if parent is _ABSENT:
-            parked = self._links.unpark(key)
-            if parked is None:
-                raise missing(key)
-            parent = parked[1]
-        t2[key] = parent
+        t2[key] = self._links.take_parked(key) if parent is _ABSENT else parent
 
     def remove(self, key: ChunkKey) -> None:
         self._links.unlink(key, self._take_out(key)[1])

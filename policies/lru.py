@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import cast
 
-from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
+from tiered_kv.policies._checks import check_capacity, check_count, duplicate
 from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
 
 from tiered_kv.keys import ChunkKey
@@ -59,10 +59,7 @@ class LRU:
         try:
             self._order.move_to_end(key)
         except KeyError:
-            parked = self._links.unpark(key)
-            if parked is None:
-                raise missing(key) from None
-            self._order[key] = parked[1]
+            self._order[key] = self._links.take_parked(key)
 
     def remove(self, key: ChunkKey) -> None:
         self._links.unlink(key, self._take_out(key))
@@ -70,12 +67,7 @@ class LRU:
     def _take_out(self, key: ChunkKey) -> ChunkKey | None:
         """Drop ``key`` from the order, or from the parked keys; its predecessor."""
         parent = self._order.pop(key, _ABSENT)
-        if parent is _ABSENT:
-            parked = self._links.unpark(key)
-            if parked is None:
-                raise missing(key)
-            parent = parked[1]
-        return parent
+        return self._links.take_parked(key) if parent is _ABSENT else parent
 
     def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
         parent = self._order.get(key, _ABSENT)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable
 
+from tiered_kv.policies._checks import missing
+
 from tiered_kv.errors import PolicyError
 from tiered_kv.keys import ChunkKey
 
@@ -88,6 +90,14 @@ class PrefixLinks:
         if parked is not None:
             self._parked_at[parked[0]] -= 1
         return parked
+
+    def take_parked(self, key: ChunkKey) -> ChunkKey | None:
+        """Unpark ``key``, which the policy found in none of its lists: its predecessor;
+        :class:`PolicyError` if it is not parked either (not resident)."""
+        parked = self.unpark(key)
+        if parked is None:
+            raise missing(key)
+        return parked[1]
 
     def place_of(self, key: ChunkKey) -> int | None:
         """The list a parked key came from; ``None`` if it is not parked."""
