@@ -92,20 +92,22 @@ class LRU:
         old end (protected, or parked for their successors); a failure has looked at
         every key.
         """
-        check_count(n)
-        if n == 0:
-            return []
-        if n > len(self):
-            return None
         order, links = self._order, self._links
-        if n == 1:
+        if n == 1:  # the common case, without the bookkeeping of many victims
             key, passed = links.first_leaf(order, protected)
             if key is None:
                 return None
             if passed:
                 self._park(passed)
-            links.unlink(key, order.pop(key))
+            parent = order.pop(key)
+            if parent is not None:
+                links.unlink(key, parent)
             return [key]
+        check_count(n)
+        if n == 0:
+            return []
+        if n > len(self):
+            return None
         victims = Victims(links, self._parent_of, protected)
         walk = LeafWalk(order, victims)
         while len(victims) < n:

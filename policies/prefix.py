@@ -117,14 +117,14 @@ class PrefixLinks:
         """The first of ``keys`` that may go on its own, and the keys passed over for
         their successors (to be parked): the one-victim eviction, without the
         bookkeeping of :class:`Victims`."""
-        has_successors = self.has_successors
+        successors = self._successors
         passed: list[ChunkKey] = []
         for key in keys:
-            if protected(key):
-                continue
-            if not has_successors(key):
+            if key in successors:
+                if not protected(key):
+                    passed.append(key)
+            elif not protected(key):
                 return key, passed
-            passed.append(key)
         return None, passed
 
 
