@@ -95,5 +95,8 @@ def test_bench_policies_replays_a_trace_file(tmp_path: Path) -> None:
 def test_bench_policies_refuses_a_file_that_is_not_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "notes.txt"
     trace.write_text("hello\n")
-    assert main(["bench", "policies", *SMALL, "--trace", str(trace)]) == 1
-    assert "notes.txt is not a Mooncake-format trace" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_status:
+        main(["bench", "policies", *SMALL, "--trace", str(trace)])
+    assert exit_status.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --trace: notes.txt is not a Mooncake-format trace" in err and "Traceback" not in err

@@ -9,7 +9,7 @@ import pytest
 from tiered_kv.policies import ARC, LRU, S3FIFO, SeenK
 
 from tiered_kv.errors import TraceFormatError
-from tiered_kv.trace_file import HashIds, parse_lines, read_trace, trace_lines, write_trace
+from tiered_kv.trace_file import HashIds, check_trace_file, parse_lines, read_trace, trace_lines, write_trace
 from tiered_kv.traces import distinct_chunks, replay, standard_traces
 
 
@@ -155,3 +155,15 @@ def test_written_lines_are_the_format() -> None:
     requests = standard_traces(0, scale=0.01)["chat"][:2]
     first = next(trace_lines(requests, block_tokens=256))
     assert first.startswith(b'{"timestamp":0,"input_length":') and b'"hash_ids":[' in first
+
+
+def test_a_quick_check_accepts_a_trace_and_refuses_what_is_not_one(tmp_path: Path) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_text("oops\n" + '{"timestamp": 0, "input_length": 512, "hash_ids": [0]}\n')
+    check_trace_file(good)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("oops\n" * 200 + '{"timestamp": 0, "input_length": 512, "hash_ids": [0]}\n')
+    with pytest.raises(TraceFormatError, match=r"bad\.jsonl is not a Mooncake-format trace.*line 1: "):
+        check_trace_file(bad)
+    with pytest.raises(TraceFormatError, match="cannot read trace"):
+        check_trace_file(tmp_path / "absent.jsonl")

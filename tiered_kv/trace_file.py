@@ -144,6 +144,33 @@ def parse_lines(
     )
 
 
+def check_trace_file(path: Path, *, lines: int = 100) -> None:
+    """Raise :class:`TraceFormatError` (one line) unless ``path`` can be read and one of its
+    first ``lines`` non-blank lines is a request: a quick check before a long run."""
+    decoder = msgspec.json.Decoder(TraceLine)
+    first = "it has no lines"
+    try:
+        with path.open("rb") as file:
+            seen = 0
+            for number, raw in enumerate(file, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    decoder.decode(raw)
+                    return
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    if seen == 0:
+                        first = f"line {number}: {exc}"
+                seen += 1
+                if seen >= lines:
+                    break
+    except OSError as exc:
+        raise TraceFormatError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
+    raise TraceFormatError(
+        f"{path.name} is not a Mooncake-format trace (JSON lines with timestamp, input_length and hash_ids): {first}"
+    )
+
+
 def read_trace(path: Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS, chunk_tokens: int) -> FileTrace:
     """Read a Mooncake-format trace file; see :func:`parse_lines`."""
     try:

@@ -9,7 +9,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from tiered_kv.trace_file import MOONCAKE_BLOCK_TOKENS, FileTrace, read_trace
+from tiered_kv.errors import TraceFormatError
+from tiered_kv.trace_file import MOONCAKE_BLOCK_TOKENS, FileTrace, check_trace_file, read_trace
+
+
+def _trace_file(text: str) -> Path:
+    """``--trace``: a file that can be read and looks like a trace, else one line and exit 2."""
+    path = Path(text)
+    try:
+        check_trace_file(path)
+    except TraceFormatError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return path
 
 
 def add_trace_arguments(parser: argparse._ArgumentGroup) -> None:
@@ -18,7 +29,7 @@ def add_trace_arguments(parser: argparse._ArgumentGroup) -> None:
         return
     parser.add_argument(
         "--trace",
-        type=Path,
+        type=_trace_file,
         metavar="FILE",
         help="workload and policies: replay this Mooncake-format trace (JSONL) instead of the synthetic ones",
     )
