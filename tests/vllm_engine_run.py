@@ -1,0 +1,141 @@
+"""One run of a real vLLM engine over the tiny Llama, as a child process of the e2e tests.
+
+Each run is a fresh engine process tree, as a server would start it: this front end, vLLM's
+engine-core process (the scheduler) and, with the multiprocessing executor, a worker process of
+its own (the model runner and its KV cache). The run generates greedily on prompts that share a
+long prefix, in phases:
+
+- cold: nothing cached; the reference output.
+- repeat: same prompts; the engine's own GPU prefix cache serves the prefix.
+- after_reset: same prompts after `reset_prefix_cache()`; the engine's cache is empty again.
+
+and writes one JSON report: per phase the generated token ids and `num_cached_tokens` per
+request, the engine's prefix-cache counters (local and connector), timings; plus the process
+tree, so a test can check that the scheduler and the worker ran in different processes.
+
+Runs in the engine's interpreter:
+    python tests/vllm_engine_run.py --model DIR --out REPORT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+_T0 = time.monotonic()
+
+BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
+PHASES = ("cold", "repeat", "after_reset")
+
+
+def engine_env() -> None:
+    """The environment vLLM reads at import: offline, a small CPU KV cache, processes split."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # engine core in its own process
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def prompts(n_prompts: int, prefix_blocks: int, suffix_tokens: int, seed: int) -> list[list[int]]:
+    """Token-id prompts: one shared prefix of whole blocks, then a distinct suffix each."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 1024) for _ in range(prefix_blocks * BLOCK_SIZE)]
+    return [prefix + [rng.randrange(3, 1024) for _ in range(suffix_tokens)] for _ in range(n_prompts)]
+
+
+def counters(llm: Any) -> dict[str, float]:
+    """The engine's prefix-cache counters (tokens), summed over engines."""
+    wanted = {
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:external_prefix_cache_queries",
+        "vllm:external_prefix_cache_hits",
+    }
+    out = dict.fromkeys(sorted(wanted), 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in wanted:
+            out[metric.name] += float(metric.value)
+    return out
+
+
+def process_tree() -> list[dict[str, Any]]:
+    """This process and its descendants: pid, parent pid, title."""
+    import psutil
+
+    me = psutil.Process()
+    procs = [me, *me.children(recursive=True)]
+    return [{"pid": p.pid, "ppid": p.ppid(), "name": " ".join(p.cmdline()[:1]) or p.name()} for p in procs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prefix-blocks", type=int, default=16)
+    parser.add_argument("--suffix-tokens", type=int, default=40)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    engine_env()
+    from vllm import LLM, SamplingParams
+
+    imported = time.monotonic()
+    llm = LLM(
+        model=str(args.model),
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        block_size=BLOCK_SIZE,
+        dtype="float32",
+        enforce_eager=True,
+        distributed_executor_backend="mp",  # the worker in a process of its own, even at TP=1
+        max_model_len=2048,
+        seed=args.seed,
+        disable_log_stats=False,  # the prefix-cache counters
+    )
+    started = time.monotonic()
+    tree = process_tree()
+
+    batch = prompts(args.prompts, args.prefix_blocks, args.suffix_tokens, args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    phases: dict[str, dict[str, Any]] = {}
+    for phase in PHASES:
+        if phase == "after_reset" and not llm.reset_prefix_cache():
+            raise SystemExit("reset_prefix_cache() refused")
+        before = counters(llm)
+        t0 = time.monotonic()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        seconds = time.monotonic() - t0
+        after = counters(llm)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        phases[phase] = {
+            "tokens": tokens,
+            "num_cached_tokens": [o.num_cached_tokens for o in outputs],
+            "counters": {name: after[name] - before[name] for name in after},
+            "seconds": seconds,
+            "generated_tokens_per_s": sum(map(len, tokens)) / seconds,
+            "prompt_tokens_per_s": sum(map(len, batch)) / seconds,
+        }
+    report = {
+        "prompt_lengths": [len(p) for p in batch],
+        "prefix_tokens": args.prefix_blocks * BLOCK_SIZE,
+        "block_size": BLOCK_SIZE,
+        "import_s": imported - _T0,
+        "engine_start_s": started - imported,
+        "processes": tree,
+        "phases": phases,
+    }
+    args.out.write_text(json.dumps(report, indent=1))
+    llm.llm_engine.engine_core.shutdown()  # LLM has no public shutdown in 0.32
+
+
+if __name__ == "__main__":
+    main()
