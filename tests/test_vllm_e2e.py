@@ -4,7 +4,8 @@ its own: the baseline that the tiered-kv offloading runs are compared against.
 What it establishes, without tiered-kv: greedy output is identical across the engine's own prefix
 cache, `reset_prefix_cache()` and a restart of the engine process, so any difference in a later
 run with tiered-kv comes from the KV bytes it served; and `num_cached_tokens` per request and the
-engine's prefix-cache counters show where a prefix came from (local cache, connector, nowhere).
+engine's prefix-cache counters show where a prefix came from (local cache, connector and its tier,
+nowhere).
 
 The engine runs in its own interpreter (tests/vllm_engine_run.py, one fresh process tree per run),
 so this module runs under the project's test venv too. It is skipped, saying why, when no engine
@@ -132,9 +133,13 @@ def test_cached_tokens_show_where_the_prefix_came_from(baseline: dict[str, Any])
     phases = baseline["phases"]
     for name, phase in phases.items():
         cached, counters = phase["num_cached_tokens"], phase["counters"]
-        # The engine's counters and the per-request figure agree; without a connector nothing is external.
+        # The engine's counters and the per-request figure agree; without a connector nothing is
+        # external, and every cached token came from the device's own prefix cache.
         assert counters["vllm:external_prefix_cache_hits"] == 0, name
         assert counters["vllm:prefix_cache_hits"] == sum(cached), name
+        by_source = {k: v for k, v in counters.items() if k.startswith("vllm:prompt_tokens_cached_by_source")}
+        assert by_source.pop("vllm:prompt_tokens_cached_by_source{device}") == sum(cached), name
+        assert not any(by_source.values()), (name, by_source)
         assert all(c % block == 0 for c in cached), name
     # Prompts sent together share the first one's prefix blocks; the first finds nothing when cold.
     assert phases["cold"]["num_cached_tokens"][0] == 0

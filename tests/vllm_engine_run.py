@@ -10,7 +10,8 @@ long prefix, in phases:
 - after_reset: same prompts after `reset_prefix_cache()`; the engine's cache is empty again.
 
 and writes one JSON report: per phase the generated token ids and `num_cached_tokens` per
-request, the engine's prefix-cache counters (local and connector), timings; plus the process
+request, the engine's prefix-cache counters (local, connector, and cached tokens by source tier),
+timings; plus the process
 tree, so a test can check that the scheduler and the worker ran in different processes.
 
 Runs in the engine's interpreter:
@@ -50,18 +51,27 @@ def prompts(n_prompts: int, prefix_blocks: int, suffix_tokens: int, seed: int) -
     return [prefix + [rng.randrange(3, 1024) for _ in range(suffix_tokens)] for _ in range(n_prompts)]
 
 
+PREFIX_COUNTERS = (
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:external_prefix_cache_queries",
+    "vllm:external_prefix_cache_hits",
+)
+#: Cached prompt tokens by where they came from, as the connector's get_load_source() tells
+#: (device = the engine's own cache, host, disk, ...): `vllm:prompt_tokens_cached_by_source`.
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
+
+
 def counters(llm: Any) -> dict[str, float]:
-    """The engine's prefix-cache counters (tokens), summed over engines."""
-    wanted = {
-        "vllm:prefix_cache_queries",
-        "vllm:prefix_cache_hits",
-        "vllm:external_prefix_cache_queries",
-        "vllm:external_prefix_cache_hits",
-    }
-    out = dict.fromkeys(sorted(wanted), 0.0)
+    """The engine's prefix-cache counters (tokens), summed over engines; the by-source counter
+    appears as one entry per source, `<name>{<source>}`."""
+    out = dict.fromkeys(PREFIX_COUNTERS, 0.0)
     for metric in llm.get_metrics():
-        if metric.name in wanted:
+        if metric.name in PREFIX_COUNTERS:
             out[metric.name] += float(metric.value)
+        elif metric.name == CACHED_BY_SOURCE:
+            name = f"{metric.name}{{{metric.labels['source']}}}"
+            out[name] = out.get(name, 0.0) + float(metric.value)
     return out
 
 
