@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from conftest import make_namespace
@@ -17,6 +18,7 @@ from conftest import make_namespace
 from tiered_kv import (
     AttentionKind,
     BlockTableError,
+    ChunkKeyError,
     ConfigError,
     CpuTierConfig,
     KVGeometry,
@@ -329,3 +331,89 @@ async def test_block_ids_outside_the_cache_are_typed_errors_not_crashes(tmp_path
         loaded = await kv.load(NS, request_id="l", keys=[keys], block_ids=[[0, 1, 2, 3, 4, 5, 6, 99]], num_tokens=32)
         assert loaded == 0 and kv.statistics().loads_rejected == {"block_table": 1}
         kv.check_invariants()
+
+
+async def test_a_tenant_handed_another_tenants_keys_gets_a_miss_never_its_bytes(tmp_path: Path) -> None:
+    # Regression (issue 9.5): lookup and load did not check whose chunk a key names, so
+    # tenant B with tenant A's raw keys (from KV events, say) read A's KV.
+    cache = engine_cache()
+    tenant_a = msgspec.structs.replace(NS, cache_salt="a")
+    tenant_b = msgspec.structs.replace(NS, cache_salt="b")
+    keys_a = chunk_keys(tenant_a, list(range(64)))
+    async with TieredKV(config(tmp_path, cpu_chunks=4, nvme_chunks=16)) as kv:
+        await kv.register(NS, [cache])
+        await kv.store(tenant_a, request_id="a", keys=[keys_a], block_ids=[list(range(16))])
+        await kv.drain()
+        assert kv.lookup(tenant_a, [keys_a]) == 4
+        assert kv.lookup(tenant_b, [keys_a]) == 0
+        assert kv.lookup(NS, [keys_a]) == 0  # the model's own namespace is another tenant too
+        before = [layer[40:56].clone() for layer in cache]
+        assert (
+            await kv.load(tenant_b, request_id="b", keys=[keys_a], block_ids=[list(range(40, 56))], num_tokens=64) == 0
+        )
+        assert all(torch.equal(layer[40:56], old) for layer, old in zip(cache, before, strict=True))
+        # And from nvme: push A's chunks out of cpu, then B asks again.
+        other = chunk_keys(tenant_a, list(range(5000, 5064)))
+        await kv.store(tenant_a, request_id="a2", keys=[other], block_ids=[list(range(16, 32))])
+        await kv.drain()
+        assert kv.lookup(tenant_b, [keys_a]) == 0
+        assert (
+            await kv.load(tenant_b, request_id="b2", keys=[keys_a], block_ids=[list(range(40, 56))], num_tokens=64) == 0
+        )
+        assert (
+            await kv.load(tenant_a, request_id="a3", keys=[keys_a], block_ids=[list(range(40, 56))], num_tokens=64)
+            == 64
+        )
+        assert same_blocks(cache, range(16), range(40, 56))
+
+
+@pytest.mark.parametrize(
+    ("keys", "blocks", "error"),
+    [
+        ([b"k" * 16], [0.0, 1.0, 2.0, 3.0], BlockTableError),  # float block ids
+        ([b"k" * 300], [0, 1, 2, 3], ChunkKeyError),  # longer than an nvme header holds
+        (["a str key"], [0, 1, 2, 3], ChunkKeyError),
+        ([123], [0, 1, 2, 3], ChunkKeyError),
+        ([b"k" * 16, b"j" * 16], [0, 1, 2, 3, 0, 1, 2, 3], BlockTableError),  # one block in two chunks
+    ],
+)
+async def test_a_malformed_store_is_refused_at_the_call_and_never_disables_the_manager(
+    tmp_path: Path, keys: list[object], blocks: list[object], error: type[Exception]
+) -> None:
+    # Regression (issue 9.3): these used to be accepted (submitted=1) and fail in a
+    # background task, after which every call of every tenant raised "a background task failed".
+    cache = engine_cache()
+    good = chunk_keys(NS, list(range(64)))
+    async with TieredKV(config(tmp_path, cpu_chunks=8, nvme_chunks=16)) as kv:
+        await kv.register(NS, [cache])
+        with pytest.raises(error):
+            await kv.store(NS, request_id="bad", keys=[keys], block_ids=[blocks])  # type: ignore[list-item]
+        with pytest.raises(error):
+            kv.store_nowait(NS, request_id="bad", keys=[keys], block_ids=[blocks])  # type: ignore[list-item]
+        await kv.store(NS, request_id="good", keys=[good], block_ids=[list(range(16))])
+        await kv.drain()
+        assert await kv.load(NS, request_id="l", keys=[good], block_ids=[list(range(40, 56))], num_tokens=64) == 64
+        assert same_blocks(cache, range(16), range(40, 56))
+
+
+async def test_wrong_group_counts_and_huge_token_counts_are_typed(tmp_path: Path) -> None:
+    # Regression (issue 9.6): a raw zip() ValueError from store, an OverflowError from load.
+    cache = engine_cache()
+    keys = chunk_keys(NS, list(range(64)))
+    async with TieredKV(config(tmp_path, cpu_chunks=8, nvme_chunks=16)) as kv:
+        await kv.register(NS, [cache])
+        with pytest.raises(ChunkKeyError):
+            await kv.store(NS, request_id="s", keys=[keys, keys], block_ids=[list(range(16))])
+        with pytest.raises(BlockTableError):
+            await kv.store(NS, request_id="s", keys=[keys], block_ids=[list(range(16))] * 2)
+        with pytest.raises(ChunkKeyError):
+            kv.lookup(NS, [keys, keys])
+        with pytest.raises(ChunkKeyError):
+            await kv.load(NS, request_id="l", keys=[keys, keys], block_ids=[list(range(16))], num_tokens=64)
+        await kv.store(NS, request_id="s", keys=[keys], block_ids=[list(range(16))])
+        await kv.drain()
+        for tokens in (10**20, -1, 1.5):
+            assert (
+                await kv.load(NS, request_id="l", keys=[keys], block_ids=[list(range(40, 56))], num_tokens=tokens) == 0
+            )  # type: ignore[arg-type]
+        assert kv.statistics().loads_rejected["span"] == 3

@@ -20,7 +20,7 @@ from tiered_kv import (
     TieredKVError,
     chunk_keys,
 )
-from tiered_kv.errors import TierIOError
+from tiered_kv.errors import ConfigError, TierError, TierIOError
 from tiered_kv.null import NullTier, NullTiers
 from tiered_kv.stats import KVEventKind
 
@@ -183,3 +183,66 @@ async def test_a_rejected_multi_group_store_changes_nothing_in_any_group() -> No
         kv.check_invariants()
         tiers.made["gpu"][1].gate.set()
         assert CHUNK > 0
+
+
+class FailingClose(NullTiers):
+    """Drivers whose ``close`` fails for the tiers named in ``fail``; each close is counted."""
+
+    def __init__(self, fail: set[str]) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def _make(self, name: str, slot_bytes: int, num_slots: int) -> NullTier:
+        tier = super()._make(name, slot_bytes, num_slots)
+        inner_close = tier.close
+
+        async def close() -> None:
+            await inner_close()
+            await asyncio.sleep(0)  # a real driver waits for its threads
+            if name in self.fail:
+                raise TierIOError("close failed", tier=name)
+
+        tier.close = close  # type: ignore[method-assign]
+        return tier
+
+
+async def test_close_closes_every_driver_even_when_one_fails_then_raises() -> None:
+    # Regression (issue 9.6): close() stopped at the first driver that failed to close.
+    tiers = FailingClose(fail={"gpu"})
+    kv = TieredKV(config(), tiers=tiers)
+    await kv.register(NS, gpu_tensors())
+    with pytest.raises(TierIOError, match="close failed"):
+        await kv.close()
+    assert all(tier._closed for made in tiers.made.values() for tier in made)
+
+
+async def test_a_deadline_on_close_does_not_leave_drivers_open() -> None:
+    tiers = FailingClose(fail=set())
+    kv = TieredKV(config(), tiers=tiers)
+    await kv.register(NS, gpu_tensors())
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0):
+            await kv.close()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert all(tier._closed for made in tiers.made.values() for tier in made)
+
+
+@pytest.mark.parametrize(
+    "argument", ["max_store_chunks", "max_write_behind_chunks", "copy_concurrency", "max_events", "max_tenants"]
+)
+@pytest.mark.parametrize("value", [0, -1, 1.5, None, True])
+def test_a_bound_that_is_not_a_positive_integer_is_a_config_error(argument: str, value: object) -> None:
+    # Regression (issue 9.6): max_tenants=0 was accepted, then every store raised PolicyError;
+    # the others raised a plain ValueError.
+    with pytest.raises(ConfigError, match=argument):
+        TieredKV(config(), tiers=NullTiers(), **{argument: value})  # type: ignore[arg-type]
+
+
+async def test_a_cpu_tier_larger_than_memory_is_a_typed_error_and_leaves_the_budget() -> None:
+    # Regression (issue 9.6): torch's allocator RuntimeError escaped from register.
+    huge = TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=1 << 60))
+    async with TieredKV(huge) as kv:
+        with pytest.raises(TierError, match="cannot allocate"):
+            await kv.register(NS, gpu_tensors())
+        assert kv._pools == {}

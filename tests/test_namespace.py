@@ -8,8 +8,10 @@ import sys
 
 import pytest
 from conftest import make_namespace, mla_geometry
+from hypothesis import given
+from hypothesis import strategies as st
 
-from tiered_kv import AttentionKind, KVGeometry, KVGroup, NamespaceError
+from tiered_kv import AttentionKind, GeometryError, KVGeometry, KVGroup, NamespaceError
 
 BASE_GEOMETRY = make_namespace().geometry
 
@@ -148,3 +150,45 @@ def test_base_drops_only_the_tenant_fields() -> None:
     assert tenant.base.fingerprint != tenant.fingerprint
     plain = make_namespace()
     assert plain.base is plain
+
+
+WRONG_TYPES = st.sampled_from([5, 0.0, 1.5, b"bytes", None, True, ["list"], {"a": 1}, ""])
+NOT_INTS = [0.0, 1.0, 1.5, "1", b"1", None, True, [1]]
+NOT_STRINGS = [5, 0.0, b"bytes", True, ["list"], {"a": 1}]
+WRONG_VALUES = {
+    "model_id": [*NOT_STRINGS, None, ""],
+    "model_revision": [*NOT_STRINGS, None, ""],
+    "lora_id": NOT_STRINGS,
+    "cache_salt": NOT_STRINGS,
+    "tp_rank": [*NOT_INTS, -1],
+    "tp_size": [*NOT_INTS, 0],
+    "runner_layout_version": [*NOT_INTS, 0],
+    "geometry": [None, "geometry", 5, {"dtype": "float16"}],
+}
+
+
+@given(st.sampled_from(sorted(WRONG_VALUES)).flatmap(lambda f: st.tuples(st.just(f), st.sampled_from(WRONG_VALUES[f]))))
+def test_a_field_of_the_wrong_type_is_refused_at_construction(case: tuple[str, object]) -> None:
+    # Regression (issue 9.6): Namespace(model_revision=5) used to work once, then the store
+    # was refused on restart as CorruptStore; model_id=123 or tp_rank=0.0 failed only at
+    # register.
+    field, value = case
+    with pytest.raises(NamespaceError):
+        make_namespace(**{field: value})
+
+
+@given(dtype=WRONG_TYPES, layout=st.sampled_from([5, None, ""]))
+def test_geometry_fields_of_the_wrong_type_are_a_geometry_error(dtype: object, layout: object) -> None:
+    with pytest.raises(GeometryError):
+        KVGeometry(dtype=dtype, block_size=4, chunk_size=16, groups=BASE_GEOMETRY.groups)  # type: ignore[arg-type]
+    with pytest.raises(GeometryError):
+        KVGeometry(dtype="float16", block_size=4, chunk_size=16, groups=BASE_GEOMETRY.groups, kv_layout=layout)  # type: ignore[arg-type]
+    with pytest.raises(GeometryError):
+        KVGeometry(dtype="float16", block_size=4, chunk_size=16, groups=list(BASE_GEOMETRY.groups))  # type: ignore[arg-type]
+
+
+def test_base_and_fingerprints_are_derived_once() -> None:
+    tenant = make_namespace(lora_id="a")
+    assert tenant.base is tenant.base
+    assert tenant.fingerprint_hex is tenant.fingerprint_hex
+    assert tenant.base == make_namespace()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -180,3 +181,82 @@ async def test_the_gate_counts_only_live_waiters() -> None:
         waiter.cancel()
     await asyncio.gather(*waiters, return_exceptions=True)
     assert (gate.waiting, gate.holders) == (0, 0)
+
+
+async def test_a_waiter_cancelled_while_the_last_holder_releases_does_not_wedge_the_gate() -> None:
+    # Regression (issue 9.1): the cancelled waiter's count stayed raised until its task ran
+    # again; a newcomer queued behind it while nobody held the gate, and nobody woke it.
+    gate = PriorityGate(1)
+    release = asyncio.Event()
+
+    async def holder() -> None:
+        async with gate.hold(LOAD_PRIORITY):
+            await release.wait()
+
+    held = asyncio.ensure_future(holder())
+    await settle()
+    cancelled = asyncio.ensure_future(gate.hold(LOAD_PRIORITY).__aenter__())
+    await settle()
+    cancelled.cancel()  # its task has not run yet: it still counts as waiting
+    release.set()
+    await held  # the last holder leaves in that gap
+    entered = asyncio.Event()
+
+    async def newcomer() -> None:
+        async with gate.hold(LOAD_PRIORITY):
+            entered.set()
+
+    later = asyncio.ensure_future(newcomer())
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await asyncio.wait_for(entered.wait(), 1)
+    await later
+    assert gate.holders == 0 and gate.waiting == 0
+
+
+async def test_a_budget_waiter_cancelled_before_it_is_granted_neither_crashes_give_nor_leaks() -> None:
+    # Regression: give() woke a waiter whose future was already cancelled (InvalidStateError),
+    # and the waiter then failed to remove itself (ValueError).
+    budget = Budget(2, "test")
+    budget.take_nowait(2)
+    waiter = asyncio.ensure_future(budget.take(1))
+    behind = asyncio.ensure_future(budget.take(1))
+    await settle()
+    waiter.cancel()  # not yet run: its future is cancelled but still queued
+    budget.give(2)  # must skip it and grant the next one
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await asyncio.wait_for(behind, 1)
+    assert budget.used == 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+async def test_gate_and_budget_under_random_cancellations_keep_their_counts(seed: int) -> None:
+    """Many holders and waiters, cancelled at random points: every task finishes, and
+    afterwards nothing is held, waiting or taken."""
+
+    rng = random.Random(seed)
+    gate = PriorityGate(2)
+    budget = Budget(3, "test")
+    tasks: list[asyncio.Task[None]] = []
+
+    async def one() -> None:
+        n = rng.randint(1, 3)
+        async with gate.hold(rng.choice((LOAD_PRIORITY, STORE_PRIORITY))):
+            await budget.take(n)
+            try:
+                for _ in range(rng.randint(0, 3)):
+                    await asyncio.sleep(0)
+            finally:
+                budget.give(n)
+
+    for _ in range(200):
+        tasks.append(asyncio.ensure_future(one()))
+        if rng.random() < 0.5:
+            await asyncio.sleep(0)
+        if rng.random() < 0.4:
+            rng.choice(tasks).cancel()
+    _, pending = await asyncio.wait(tasks, timeout=5)
+    assert not pending, f"{len(pending)} tasks never finished: gate {gate.holders}/{gate.waiting}"
+    assert gate.holders == 0 and gate.waiting == 0
+    assert budget.used == 0

@@ -28,13 +28,16 @@ class State(enum.Enum):
 
 
 class Residency:
-    """Where one chunk lives in one tier, and which namespace's share it counts in."""
+    """Where one chunk lives in one tier, the namespace it belongs to (the only one that
+    may read it), and which namespace's share it counts in (the same one, unless that
+    namespace had no share of its own: see ``TieredKV``'s ``max_tenants``)."""
 
-    __slots__ = ("hits", "owner", "pins", "slot", "state")
+    __slots__ = ("hits", "namespace", "owner", "pins", "slot", "state")
 
-    def __init__(self, slot: int, owner: str) -> None:
+    def __init__(self, slot: int, owner: str, namespace: str) -> None:
         self.slot = slot
         self.owner = owner
+        self.namespace = namespace
         self.state = State.PENDING
         self.pins = 0
         self.hits = 0
@@ -50,6 +53,7 @@ class Victim(NamedTuple):
     key: ChunkKey
     slot: int
     owner: str
+    namespace: str
 
 
 class Reservation:
@@ -102,6 +106,16 @@ class TierIndex:
         entry = self._entries.get(key)
         return entry is not None and entry.state is State.READY
 
+    def ready_for(self, key: ChunkKey, namespace: str) -> bool:
+        """Whether ``key`` is READY and belongs to ``namespace``: a tenant handed another
+        tenant's keys gets a miss, never its bytes."""
+        entry = self._entries.get(key)
+        return entry is not None and entry.state is State.READY and entry.namespace == namespace
+
+    def namespace(self, key: ChunkKey) -> str:
+        """The namespace ``key`` belongs to."""
+        return self._require(key).namespace
+
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
@@ -109,10 +123,11 @@ class TierIndex:
         return len(self._entries)
 
     # -- deciding ----------------------------------------------------------------------
-    def reserve(self, keys: Iterable[ChunkKey], owner: str) -> Reservation | None:
-        """PENDING slots for ``keys`` (none of them resident) in ``owner``'s share,
-        evicting unpinned READY chunks the partition allows; ``None``, changing nothing,
-        when there is no room."""
+    def reserve(self, keys: Iterable[ChunkKey], owner: str, namespace: str | None = None) -> Reservation | None:
+        """PENDING slots for ``keys`` (none of them resident) of ``namespace`` (default:
+        ``owner``), counted in ``owner``'s share, evicting unpinned READY chunks the
+        partition allows; ``None``, changing nothing, when there is no room."""
+        namespace = owner if namespace is None else namespace
         wanted = list(dict.fromkeys(keys))
         for key in wanted:
             if key in self._entries:
@@ -125,13 +140,13 @@ class TierIndex:
             for victim in victim_keys:
                 entry = self._entries.pop(victim)
                 self._allocator.release(entry.slot)
-                evicted.append(Victim(victim, entry.slot, victim_owner))
+                evicted.append(Victim(victim, entry.slot, victim_owner, entry.namespace))
         slots = self._allocator.allocate(len(wanted))
         if slots is None:  # pragma: no cover - make_room made exactly enough room
             raise TieredKVError(f"{self.tier}: allocator lost track of free slots")
         reserved = dict(zip(wanted, slots, strict=True))
         for key, slot in reserved.items():
-            self._entries[key] = Residency(slot, owner)
+            self._entries[key] = Residency(slot, owner, namespace)
             self._partition.insert(owner, key)
         return Reservation(reserved, evicted)
 
@@ -142,7 +157,7 @@ class TierIndex:
         for key in reservation.slots:
             self.drop(key)
         for victim in reservation.evicted:
-            self.restore(victim.key, victim.slot, victim.owner)
+            self.restore(victim.key, victim.slot, victim.owner, victim.namespace)
 
     def _is_protected(self, key: ChunkKey) -> bool:
         entry = self._entries.get(key)
@@ -165,12 +180,13 @@ class TierIndex:
         self._allocator.release(entry.slot)
         return entry.slot
 
-    def restore(self, key: ChunkKey, slot: int, owner: str) -> None:
-        """Record a READY chunk already held in ``slot`` (warm restart)."""
+    def restore(self, key: ChunkKey, slot: int, owner: str, namespace: str | None = None) -> None:
+        """Record a READY chunk of ``namespace`` (default: ``owner``) already held in
+        ``slot`` (warm restart)."""
         if key in self._entries:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         self._allocator.claim(slot)
-        entry = Residency(slot, owner)
+        entry = Residency(slot, owner, owner if namespace is None else namespace)
         self._entries[key] = entry
         entry.state = State.READY
         self._partition.insert(owner, key)

@@ -46,6 +46,10 @@ class ChunkKeyError(TieredKVError, ValueError):
     """Token ids or engine block hashes cannot be turned into chunk keys."""
 
 
+class RequestError(TieredKVError, ValueError):
+    """A request id is not a string."""
+
+
 class UnknownPluginError(TieredKVError, LookupError):
     """No tier driver or cache policy is registered under the requested name."""
 

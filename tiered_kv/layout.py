@@ -51,6 +51,8 @@ class KVGroup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     window: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, AttentionKind):
+            raise GeometryError(f"must be an AttentionKind, got {self.kind!r}", field="kind")
         _require_positive("num_layers", self.num_layers)
         _require_positive("num_kv_heads", self.num_kv_heads)
         _require_positive("head_dim", self.head_dim)
@@ -78,7 +80,7 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     kv_layout: str = "NHD"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise GeometryError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPE_BYTES)}", field="dtype")
         _require_positive("block_size", self.block_size)
         _require_positive("chunk_size", self.chunk_size)
@@ -87,10 +89,12 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                 f"chunk_size {self.chunk_size} is not a multiple of block_size {self.block_size}",
                 field="chunk_size",
             )
+        if not isinstance(self.groups, tuple) or not all(isinstance(group, KVGroup) for group in self.groups):
+            raise GeometryError(f"must be a tuple of KVGroup, got {self.groups!r}", field="groups")
         if not self.groups:
             raise GeometryError("a geometry needs at least one KV group", field="groups")
-        if not self.kv_layout:
-            raise GeometryError("must not be empty", field="kv_layout")
+        if not isinstance(self.kv_layout, str) or not self.kv_layout:
+            raise GeometryError(f"must be a non-empty string, got {self.kv_layout!r}", field="kv_layout")
 
     @property
     def itemsize(self) -> int:

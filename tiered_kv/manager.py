@@ -37,13 +37,23 @@ import msgspec
 import torch
 from structlog.contextvars import bound_contextvars
 
+from tiered_kv.arguments import (
+    blocks_in_range,
+    per_group,
+    require_block_ids,
+    require_keys,
+    require_namespace,
+    require_request_id,
+)
 from tiered_kv.checks import is_int_at_least
 from tiered_kv.config import NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
 from tiered_kv.directory import Reservation, TierIndex, Victim
 from tiered_kv.errors import (
     BlockTableError,
+    ChunkKeyError,
     ConfigError,
     CorruptChunk,
+    NamespaceError,
     SpanError,
     TieredKVError,
     TierError,
@@ -143,8 +153,11 @@ class _Pool:
         #: Tenant namespaces (fingerprints) that have a share in this pool's partitions.
         self.owners: set[str] = set()
 
-    def ready_anywhere(self, key: ChunkKey) -> bool:
-        return self.cpu_index.is_ready(key) or (self.nvme_index is not None and self.nvme_index.is_ready(key))
+    def ready_anywhere(self, key: ChunkKey, owner: str) -> bool:
+        """Whether some tier holds ``key`` ready for namespace ``owner`` (its fingerprint)."""
+        return self.cpu_index.ready_for(key, owner) or (
+            self.nvme_index is not None and self.nvme_index.ready_for(key, owner)
+        )
 
     def resident_anywhere(self, key: ChunkKey) -> bool:
         return key in self.cpu_index or (self.nvme_index is not None and key in self.nvme_index)
@@ -154,10 +167,16 @@ class _StoreJob:
     """Chunks of one store call being copied out of one rank's GPU blocks."""
 
     def __init__(
-        self, pool: _Pool, owner: str, rank: int, request_id: str, chunks: list[tuple[ChunkKey, tuple[int, ...]]]
+        self,
+        pool: _Pool,
+        namespace: str,
+        rank: int,
+        request_id: str,
+        chunks: list[tuple[ChunkKey, tuple[int, ...]]],
     ) -> None:
         self.pool = pool
-        self.owner = owner
+        #: The fingerprint of the namespace storing (a model's, or one of its tenants').
+        self.namespace = namespace
         self.rank = rank
         self.request_id = request_id
         self.chunks = chunks
@@ -172,6 +191,8 @@ class _LoadPlan:
     """One group's part of a load: chunk keys in order and where each lands on the GPU."""
 
     pool: _Pool
+    #: The fingerprint of the namespace loading: only its own chunks are staged.
+    namespace: str
     keys: list[ChunkKey]
     blocks: list[tuple[int, ...]]
     first_blocks: list[int]
@@ -192,6 +213,17 @@ class TieredKV:
         max_tenants: int = 1024,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        if not isinstance(config, TieredKVConfig):
+            raise ConfigError(f"must be a TieredKVConfig, got {type(config).__name__}", field="config")
+        for name, value in (
+            ("max_store_chunks", max_store_chunks),
+            ("max_write_behind_chunks", max_write_behind_chunks),
+            ("copy_concurrency", copy_concurrency),
+            ("max_events", max_events),
+            ("max_tenants", max_tenants),
+        ):
+            if not is_int_at_least(value, 1):
+                raise ConfigError(f"must be a positive integer, got {value!r}", field=name)
         self.config = config
         self._tiers: TierFactory = tiers if tiers is not None else RegistryTiers()
         self._clock = clock
@@ -239,10 +271,24 @@ class TieredKV:
                 await self._scheduler.drain()  # write-behind may still start copies here
         finally:
             self._closed = True
-            await self._scheduler.close()
-            for driver in self._drivers():
-                await driver.close()
+            self._scheduler.cancel()  # no background copy gets another step
+            # Shielded: a caller's deadline must not leave drivers (files, threads) open.
+            await asyncio.shield(self._shut_down())
         self._scheduler.check()
+
+    async def _shut_down(self) -> None:
+        """Stop background copies, then close every driver, even after one fails to close;
+        the first failure is raised once all are closed."""
+        await self._scheduler.close()
+        failures: list[BaseException] = []
+        for driver in self._drivers():
+            try:
+                await driver.close()
+            except Exception as exc:
+                log.error("driver.close_failed", tier=driver.name, error=repr(exc))
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
     def _check(self) -> None:
         if self._closed:
@@ -412,12 +458,12 @@ class TieredKV:
         return wanted
 
     def _pools_of(self, namespace: Namespace) -> list[_Pool]:
-        fingerprint = namespace.base.fingerprint_hex
+        fingerprint = require_namespace(namespace).base.fingerprint_hex
         pools = []
         for group in range(len(namespace.geometry.groups)):
             pool = self._pools.get((fingerprint, group))
             if pool is None or namespace.tp_rank not in pool.gpus:
-                raise TieredKVError(f"namespace {namespace.model_id} rank {namespace.tp_rank} is not registered")
+                raise NamespaceError(f"namespace {namespace.model_id} rank {namespace.tp_rank} is not registered")
             pools.append(pool)
         return pools
 
@@ -428,27 +474,30 @@ class TieredKV:
         window at ``n`` chunks overlaps. A chunk whose store is in flight is not a hit."""
         self._check()
         pools = self._pools_of(namespace)
-        if len(keys) != len(pools):
-            raise TieredKVError(f"{len(keys)} key lists for {len(pools)} KV groups")
+        per_group(keys, len(pools), "keys", ChunkKeyError)
+        owner = namespace.fingerprint_hex
         asked = n = min(len(group_keys) for group_keys in keys)
         windowed = []
         #: Positions some full-attention group holds only in nvme.
         from_nvme: set[int] = set()
-        for pool, group_keys in zip(pools, keys, strict=True):
-            if pool.kind is AttentionKind.SLIDING_WINDOW:
-                windowed.append((pool, group_keys))
-                continue
-            in_cpu = pool.cpu_index.is_ready
-            in_nvme = pool.nvme_index.is_ready if pool.nvme_index is not None else None
-            for i in range(n):
-                key = group_keys[i]
-                if in_cpu(key):
+        try:
+            for pool, group_keys in zip(pools, keys, strict=True):
+                if pool.kind is AttentionKind.SLIDING_WINDOW:
+                    windowed.append((pool, group_keys))
                     continue
-                if in_nvme is None or not in_nvme(key):
-                    n = i
-                    break
-                from_nvme.add(i)
-        while n and not all(self._window_ready(pool, group_keys, n) for pool, group_keys in windowed):
+                in_cpu = pool.cpu_index.ready_for
+                in_nvme = pool.nvme_index.ready_for if pool.nvme_index is not None else None
+                for i in range(n):
+                    key = group_keys[i]
+                    if in_cpu(key, owner):
+                        continue
+                    if in_nvme is None or not in_nvme(key, owner):
+                        n = i
+                        break
+                    from_nvme.add(i)
+        except TypeError as exc:  # an unhashable "key"
+            raise ChunkKeyError(f"a chunk key must be bytes: {exc}") from None
+        while n and not all(self._window_ready(pool, group_keys, n, owner) for pool, group_keys in windowed):
             n -= 1
         nvme_hits = sum(1 for i in from_nvme if i < n)
         self._lookups["hit_cpu"] += n - nvme_hits
@@ -458,11 +507,14 @@ class TieredKV:
         return n
 
     @staticmethod
-    def _window_ready(pool: _Pool, keys: Sequence[ChunkKey], n_chunks: int) -> bool:
+    def _window_ready(pool: _Pool, keys: Sequence[ChunkKey], n_chunks: int, owner: str) -> bool:
         assert pool.window is not None
         span = window_span(n_chunks * pool.chunk_size, pool.window, pool.block_size)
         chunks = span_chunks(span, block_size=pool.block_size, chunk_size=pool.chunk_size).chunks
-        return all(pool.ready_anywhere(keys[c]) for c in chunks)
+        try:
+            return all(pool.ready_anywhere(keys[c], owner) for c in chunks)
+        except TypeError as exc:
+            raise ChunkKeyError(f"a chunk key must be bytes: {exc}") from None
 
     # -- load --------------------------------------------------------------------------
     async def load(
@@ -486,20 +538,23 @@ class TieredKV:
         good prefix before it; a hybrid model loads all or nothing.
         """
         self._check()
+        pools = self._pools_of(namespace)
+        require_request_id(request_id)
+        per_group(keys, len(pools), "keys", ChunkKeyError)
+        tables = [require_block_ids(table) for table in per_group(block_ids, len(pools), "block_ids", BlockTableError)]
         # Events of this load, in the promotions it starts too, carry the request and namespace.
         with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
-            pools = self._pools_of(namespace)
             started = self._clock()
             try:
-                if len(keys) != len(pools) or len(block_ids) != len(pools):
-                    raise SpanError(
-                        f"{len(keys)} key lists and {len(block_ids)} block tables for {len(pools)} KV groups"
-                    )
                 plans = [
-                    self._plan_load(pool, k, b, num_tokens) for pool, k, b in zip(pools, keys, block_ids, strict=True)
+                    self._plan_load(pool, namespace.fingerprint_hex, k, b, num_tokens)
+                    for pool, k, b in zip(pools, keys, tables, strict=True)
                 ]
                 for pool, plan in zip(pools, plans, strict=True):
-                    _check_blocks(pool.gpus[namespace.tp_rank], [b for blocks in plan.blocks for b in blocks])
+                    require_keys(plan.keys)
+                    blocks_in_range(
+                        (b for blocks in plan.blocks for b in blocks), pool.gpus[namespace.tp_rank].num_slots
+                    )
             except (SpanError, BlockTableError) as exc:
                 reason = "span" if isinstance(exc, SpanError) else "block_table"
                 self._rejected[reason] += 1
@@ -534,10 +589,14 @@ class TieredKV:
             )
             return loaded
 
-    def _plan_load(self, pool: _Pool, keys: Sequence[ChunkKey], block_ids: Sequence[int], num_tokens: int) -> _LoadPlan:
+    def _plan_load(
+        self, pool: _Pool, namespace: str, keys: Sequence[ChunkKey], block_ids: Sequence[int], num_tokens: int
+    ) -> _LoadPlan:
         k, b = pool.blocks_per_chunk, pool.block_size
         if not is_int_at_least(num_tokens, 0):
             raise SpanError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
+        if num_tokens > len(keys) * pool.chunk_size:
+            raise SpanError(f"{num_tokens} tokens need more than the {len(keys)} chunks whose keys were given")
         if pool.kind is not AttentionKind.SLIDING_WINDOW:
             span = range(cdiv(num_tokens, b))
             if len(block_ids) < len(span):
@@ -565,7 +624,7 @@ class TieredKV:
             plan_blocks.append(tuple(pending[cursor : cursor + count]))
             firsts.append(first)
             cursor += count
-        return _LoadPlan(pool, plan_keys, plan_blocks, firsts)
+        return _LoadPlan(pool, namespace, plan_keys, plan_blocks, firsts)
 
     async def _run_load(
         self, rank: int, plans: list[_LoadPlan], request_id: str, num_tokens: int, sources: collections.Counter[str]
@@ -629,11 +688,11 @@ class TieredKV:
         pool = plan.pool
         steps: list[tuple[ChunkKey, asyncio.Task[bool] | None]] = []
         for key in plan.keys:
-            if pool.cpu_index.is_ready(key):
+            if pool.cpu_index.ready_for(key, plan.namespace):
                 pool.cpu_index.pin(key)
                 pinned.append((pool, key))
                 steps.append((key, None))
-            elif pool.nvme_index is not None and pool.nvme_index.is_ready(key):
+            elif pool.nvme_index is not None and pool.nvme_index.ready_for(key, plan.namespace):
                 handle = (pool.fingerprint, pool.group, key)
                 task = self._scheduler.shared(
                     handle, functools.partial(self._promote, pool, key), name=f"promote-{key.hex()[:8]}"
@@ -723,8 +782,8 @@ class TieredKV:
         if key in pool.cpu_index:
             return False  # a store of it is in flight: not a hit yet
         nvme_slot = pool.nvme_index.pin(key)
-        owner = pool.nvme_index.owner(key)
-        reservation = pool.cpu_index.reserve([key], owner)
+        owner, namespace = pool.nvme_index.owner(key), pool.nvme_index.namespace(key)
+        reservation = pool.cpu_index.reserve([key], owner, namespace)
         if reservation is None:
             pool.nvme_index.unpin(key)
             log.info("tier.full", tier="cpu", namespace=pool.fingerprint, reason="promotion")
@@ -744,13 +803,13 @@ class TieredKV:
             entry = pool.nvme_index.get(key)
             if isinstance(exc, CorruptChunk) and entry is not None and not entry.pins:
                 self._drop_nvme(pool, [key])
-                self._emit(pool, KVEventKind.REMOVED, "nvme", key, owner)
+                self._emit(pool, KVEventKind.REMOVED, "nvme", key, namespace)
             return False
         pool.nvme_index.unpin(key)
         pool.nvme_index.hit(key)
         pool.cpu_index.mark_ready(key)
         self._bytes["nvme->cpu"] += pool.chunk_bytes
-        self._emit(pool, KVEventKind.STORED, "cpu", key, owner)
+        self._emit(pool, KVEventKind.STORED, "cpu", key, namespace)
         log.debug("chunk.promoted", namespace=pool.fingerprint, key=key.hex(), src="nvme", dst="cpu")
         return True
 
@@ -770,14 +829,16 @@ class TieredKV:
         blocks behind the window), and chunks touching one are skipped.
         """
         self._check()
+        tables = self._store_tables(namespace, request_id, keys, block_ids)
         bound = sum(len(k) for k in keys)
         await self._store_budget.take(bound)
         try:
             self._check()  # closed, or failed, while this store waited for room
+            pools = self._pools_of(namespace)  # still registered
         except BaseException:
             self._store_budget.give(bound)
             raise
-        return self._submit_store(namespace, request_id, keys, block_ids, bound)
+        return self._submit_store(namespace, pools, request_id, keys, tables, bound)
 
     def store_nowait(
         self,
@@ -789,49 +850,71 @@ class TieredKV:
     ) -> StoreResult:
         """:meth:`store` that raises :class:`BusyError` instead of waiting for queue room."""
         self._check()
+        tables = self._store_tables(namespace, request_id, keys, block_ids)
         bound = sum(len(k) for k in keys)
         self._store_budget.take_nowait(bound)
-        return self._submit_store(namespace, request_id, keys, block_ids, bound)
+        return self._submit_store(namespace, self._pools_of(namespace), request_id, keys, tables, bound)
+
+    def _store_tables(
+        self, namespace: Namespace, request_id: str, keys: Sequence[Sequence[ChunkKey]], block_ids: object
+    ) -> list[list[int]]:
+        """Check a store's arguments before it takes queue room: every key a chunk key,
+        every block id an integer, the blocks of the chunks inside the rank's KV cache.
+        The block tables, as ints."""
+        pools = self._pools_of(namespace)
+        require_request_id(request_id)
+        per_group(keys, len(pools), "keys", ChunkKeyError)
+        tables = [require_block_ids(table) for table in per_group(block_ids, len(pools), "block_ids", BlockTableError)]
+        for pool, group_keys, table in zip(pools, keys, tables, strict=True):
+            require_keys(group_keys)
+            copied = (b for b in table[: len(group_keys) * pool.blocks_per_chunk] if b >= 0)
+            blocks_in_range(copied, pool.gpus[namespace.tp_rank].num_slots)
+        return tables
 
     def _submit_store(
         self,
         namespace: Namespace,
+        pools: list[_Pool],
         request_id: str,
         keys: Sequence[Sequence[ChunkKey]],
-        block_ids: Sequence[Sequence[int]],
+        block_ids: list[list[int]],
         taken: int,
     ) -> StoreResult:
         # Events of this store, in its background tasks too, carry the request and namespace.
         with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
             try:
-                pools = self._pools_of(namespace)
                 planned: list[tuple[_Pool, list[tuple[ChunkKey, tuple[int, ...]]]]] = []
                 skipped = 0
                 for pool, group_keys, table in zip(pools, keys, block_ids, strict=True):
                     k = pool.blocks_per_chunk
-                    chunks = []
+                    candidates = []
                     seen = set()
-                    refused = False
                     for c, key in enumerate(group_keys):
                         blocks = tuple(table[c * k : (c + 1) * k])
                         if len(blocks) < k or min(blocks) < 0 or key in seen or pool.resident_anywhere(key):
                             skipped += 1
                             continue
-                        # Every chunk is a sighting; after one the filter turns away, the rest of
-                        # the prefix would be unreachable, so none of it is stored.
-                        admitted = pool.admission is None or pool.admission.admit(key)
-                        refused = refused or not admitted
-                        if refused:
-                            skipped += 1
-                            continue
                         seen.add(key)
-                        chunks.append((key, blocks))
-                    _check_blocks(pool.gpus[namespace.tp_rank], [b for _, blocks in chunks for b in blocks])
+                        candidates.append((key, blocks))
+                    copied = [block for _, blocks in candidates for block in blocks]
+                    if len(set(copied)) != len(copied):
+                        raise BlockTableError("a GPU block appears in two chunks to be stored")
+                    chunks = candidates
+                    if pool.admission is not None:
+                        # Every chunk is a sighting; after one the filter turns away, the rest
+                        # of the prefix would be unreachable, so none of it is stored.
+                        admitted = [pool.admission.admit(key) for key, _ in candidates]
+                        chunks = candidates[: admitted.index(False)] if False in admitted else candidates
+                        skipped += len(candidates) - len(chunks)
                     planned.append((pool, chunks))
                 reservations: list[tuple[_Pool, Reservation]] = []
                 for pool, chunks in planned:
                     owner = self._owner(pool, namespace)
-                    reservation = pool.cpu_index.reserve((key for key, _ in chunks), owner) if chunks else None
+                    reservation = (
+                        pool.cpu_index.reserve((key for key, _ in chunks), owner, namespace.fingerprint_hex)
+                        if chunks
+                        else None
+                    )
                     if chunks and reservation is None:
                         # Nothing has been copied yet: undo the other groups' reservations,
                         # their victims included, so that a rejected store changes nothing.
@@ -901,7 +984,7 @@ class TieredKV:
             job.gpu_released.set_result(None)
         for key, _ in job.chunks:
             pool.cpu_index.mark_ready(key)
-            self._emit(pool, KVEventKind.STORED, "cpu", key, job.owner)
+            self._emit(pool, KVEventKind.STORED, "cpu", key, job.namespace)
         self._bytes["gpu->cpu"] += pool.chunk_bytes * len(job.chunks)
         ms = (self._clock() - started) * 1e3
         log.debug("store.done", namespace=pool.fingerprint, request_id=job.request_id, n_chunks=len(job.chunks), ms=ms)
@@ -939,7 +1022,10 @@ class TieredKV:
         assert pool.nvme_index is not None
         pinned = [k for k in keys if pool.cpu_index.is_ready(k) and k not in pool.nvme_index]
         try:
-            chunks = [(key, pool.cpu_index.pin(key), pool.cpu_index.owner(key)) for key in pinned]
+            chunks = [
+                Victim(key, pool.cpu_index.pin(key), pool.cpu_index.owner(key), pool.cpu_index.namespace(key))
+                for key in pinned
+            ]
             await self._write_nvme(pool, chunks)
         finally:
             for key in pinned:
@@ -952,14 +1038,14 @@ class TieredKV:
             return
         await self._write_nvme(pool, [victim for victim in evicted if victim.key not in pool.nvme_index])
 
-    async def _write_nvme(self, pool: _Pool, chunks: Sequence[tuple[ChunkKey, int, str]]) -> None:
-        """Copy ``(key, cpu slot, owner)`` chunks into nvme slots of their owners' shares;
+    async def _write_nvme(self, pool: _Pool, chunks: Sequence[Victim]) -> None:
+        """Copy chunks from their cpu slots into nvme slots of their owners' shares;
         chunks no share has room for are skipped, failed copies dropped."""
         assert pool.nvme is not None and pool.nvme_index is not None
         ops = []
-        for owner in dict.fromkeys(owner for _, _, owner in chunks):
-            mine = [(key, slot) for key, slot, chunk_owner in chunks if chunk_owner == owner]
-            reservation = pool.nvme_index.reserve((key for key, _ in mine), owner)
+        for owner, namespace in dict.fromkeys((chunk.owner, chunk.namespace) for chunk in chunks):
+            mine = [(c.key, c.slot) for c in chunks if (c.owner, c.namespace) == (owner, namespace)]
+            reservation = pool.nvme_index.reserve((key for key, _ in mine), owner, namespace)
             if reservation is None:
                 log.info("tier.full", tier="nvme", namespace=owner, n_chunks=len(mine))
                 continue
@@ -979,13 +1065,14 @@ class TieredKV:
             return
         for key in keys:
             pool.nvme_index.mark_ready(key)
-            self._emit(pool, KVEventKind.STORED, "nvme", key, pool.nvme_index.owner(key))
+            self._emit(pool, KVEventKind.STORED, "nvme", key, pool.nvme_index.namespace(key))
         self._bytes["cpu->nvme"] += pool.chunk_bytes * len(keys)
 
     # -- request lifecycle -------------------------------------------------------------
     async def finish_request(self, request_id: str) -> None:
         """Return once no store of ``request_id`` still reads the request's GPU blocks."""
         self._check()
+        require_request_id(request_id)
         await self._released([job.gpu_released for job in self._jobs.get(request_id, ())])
 
     def flush_nowait(self, block_ids: Iterable[int] | None = None, *, namespace: Namespace | None = None) -> bool:
@@ -994,7 +1081,11 @@ class TieredKV:
         return not self._reading(block_ids, namespace)
 
     def _reading(self, block_ids: Iterable[int] | None, namespace: Namespace | None) -> list[asyncio.Future[None]]:
-        wanted = None if block_ids is None else frozenset(block_ids)
+        if namespace is not None:
+            require_namespace(namespace)
+        if block_ids is not None and not isinstance(block_ids, Iterable):
+            raise BlockTableError(f"block_ids must be integers or None, got {type(block_ids).__name__}")
+        wanted = None if block_ids is None else frozenset(require_block_ids(block_ids))
         return [
             job.gpu_released
             for jobs in self._jobs.values()
@@ -1009,7 +1100,7 @@ class TieredKV:
     def finish_request_nowait(self, request_id: str) -> bool:
         """True when the request's GPU blocks may be freed now (no store reads them)."""
         self._check()
-        return request_id not in self._jobs
+        return require_request_id(request_id) not in self._jobs
 
     async def flush(self, block_ids: Iterable[int] | None = None, *, namespace: Namespace | None = None) -> None:
         """Return once no store reads any of ``block_ids`` (all blocks when ``None``) of
@@ -1081,6 +1172,8 @@ class TieredKV:
                 "stores": self._store_budget.used,
                 "write_behind": self._write_behind_budget.used,
                 "loads": self._loads_in_flight,
+                "copies_waiting": self._gate.waiting,
+                "nvme_io_waiting": self._disk_gate.waiting,
                 "background_tasks": self._scheduler.background,
             },
             loads_rejected=dict(self._rejected),
@@ -1108,14 +1201,14 @@ class TieredKV:
                 pool.nvme_index.check()
 
     # -- helpers -----------------------------------------------------------------------
-    def _emit(self, pool: _Pool, kind: KVEventKind, tier: str, key: ChunkKey, owner: str) -> None:
+    def _emit(self, pool: _Pool, kind: KVEventKind, tier: str, key: ChunkKey, namespace: str) -> None:
         if len(self._events) == self._events.maxlen:
             self._events_dropped += 1
-        self._events.append(KVEvent(kind=kind, tier=tier, namespace=owner, group=pool.group, key=key))
+        self._events.append(KVEvent(kind=kind, tier=tier, namespace=namespace, group=pool.group, key=key))
 
     def _evicted(self, pool: _Pool, tier: str, evicted: list[Victim]) -> None:
         for victim in evicted:
-            self._emit(pool, KVEventKind.REMOVED, tier, victim.key, victim.owner)
+            self._emit(pool, KVEventKind.REMOVED, tier, victim.key, victim.namespace)
         if evicted:
             log.debug("chunk.evicted", namespace=pool.fingerprint, tier=tier, n_chunks=len(evicted))
 
@@ -1137,13 +1230,6 @@ class TieredKV:
             reason=type(exc).__name__,
             **fields,
         )
-
-
-def _check_blocks(gpu: TierDriver, blocks: list[int]) -> None:
-    """Refuse a block table naming blocks the rank's KV cache does not have, before any copy."""
-    if blocks and (min(blocks) < 0 or max(blocks) >= gpu.num_slots):
-        bad = next(b for b in blocks if not 0 <= b < gpu.num_slots)
-        raise BlockTableError(f"GPU block {bad} is outside the registered KV cache's {gpu.num_slots} blocks")
 
 
 class RegistryTiers:

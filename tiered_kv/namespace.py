@@ -88,18 +88,31 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.model_id:
-            raise NamespaceError("must not be empty", field="model_id")
-        if not self.model_revision:
-            raise NamespaceError("must not be empty (use a commit hash or 'main')", field="model_revision")
+        # msgspec checks types when it decodes, not when Python code constructs: check here,
+        # so that a bad field fails now rather than at registration or after a restart.
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise NamespaceError(f"must be a non-empty string, got {self.model_id!r}", field="model_id")
+        if not isinstance(self.model_revision, str) or not self.model_revision:
+            raise NamespaceError(
+                f"must be a non-empty string (a commit hash or 'main'), got {self.model_revision!r}",
+                field="model_revision",
+            )
+        if not isinstance(self.geometry, KVGeometry):
+            raise NamespaceError(f"must be a KVGeometry, got {type(self.geometry).__name__}", field="geometry")
+        for name in ("lora_id", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise NamespaceError(f"must be a string or None, got {value!r}", field=name)
         for name in ("runner_layout_version", "tp_size"):
             value = getattr(self, name)
             if not is_int_at_least(value, 1):
                 raise NamespaceError(f"must be a positive integer, got {value!r}", field=name)
-        if isinstance(self.tp_rank, bool) or not 0 <= self.tp_rank < self.tp_size:
+        if not is_int_at_least(self.tp_rank, 0) or self.tp_rank >= self.tp_size:
             raise NamespaceError(f"must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}", field="tp_rank")
 
-    @property
+    # ``dict=True`` above gives the Struct the ``__dict__`` that cached_property needs; a
+    # frozen namespace derives these once (lookups and loads ask for them on every call).
+    @functools.cached_property
     def base(self) -> Namespace:
         """This namespace without its tenant fields (LoRA adapter, cache salt).
 
@@ -116,7 +129,6 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         """True when all TP ranks hold identical bytes, so they share one namespace."""
         return self.geometry.replicated
 
-    # ``dict=True`` above gives the Struct the ``__dict__`` that cached_property needs.
     @functools.cached_property
     def fingerprint(self) -> bytes:
         """32-byte SHA-256 over the tagged encoding of every byte-deciding field."""
@@ -134,7 +146,7 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         )
         return hashlib.sha256(FINGERPRINT_VERSION + b"\0" + encoded).digest()
 
-    @property
+    @functools.cached_property
     def fingerprint_hex(self) -> str:
         return self.fingerprint.hex()
 

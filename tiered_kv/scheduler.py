@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import heapq
 import itertools
@@ -20,7 +21,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Hashable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-from tiered_kv.errors import BusyError, TieredKVError
+from tiered_kv.checks import is_int_at_least
+from tiered_kv.errors import BusyError, ConfigError, TieredKVError
 from tiered_kv.log import get_logger
 
 T = TypeVar("T")
@@ -31,16 +33,22 @@ STORE_PRIORITY = 1
 
 
 class PriorityGate:
-    """At most ``limit`` holders at once; the lowest priority number is admitted first."""
+    """At most ``limit`` holders at once; the lowest priority number is admitted first.
+
+    A waiter cancelled before it is admitted leaves its future cancelled in the heap; it is
+    skipped when popped. Whoever leaves the gate, or gives up waiting, admits the next live
+    waiters at once, so the gate is never idle while someone waits.
+    """
 
     def __init__(self, limit: int) -> None:
-        if limit <= 0:
-            raise ValueError(f"limit must be positive, got {limit}")
+        if not is_int_at_least(limit, 1):
+            raise ConfigError(f"must be a positive integer, got {limit!r}", field="limit")
         self.limit = limit
         self.holders = 0
         #: Waiters by priority; a cancelled one stays in the heap until it is popped.
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
-        #: Waiters still waiting (the heap's entries less the cancelled ones).
+        #: Waiters not yet admitted whose tasks have not given up (cancelled ones included
+        #: until their task runs again and leaves).
         self.waiting = 0
         self._seq = itertools.count()
 
@@ -63,15 +71,18 @@ class PriorityGate:
             await fut
         except BaseException:
             if fut.done() and not fut.cancelled():
-                # Admitted and cancelled in the same step: hand the place on.
-                self._release()
+                self._release()  # admitted and cancelled in the same step: hand the place on
             else:
                 fut.cancel()
                 self.waiting -= 1
+                self._admit()  # a place may have been freed while this waiter was leaving
             raise
 
     def _release(self) -> None:
         self.holders -= 1
+        self._admit()
+
+    def _admit(self) -> None:
         while self._waiters and self.holders < self.limit:
             _, _, fut = heapq.heappop(self._waiters)
             if not fut.done():
@@ -84,12 +95,12 @@ class Budget:
     """A bounded amount (chunks, bytes) that producers take and workers give back.
 
     Waiters are served first come, first served, so a large request is not starved by a
-    stream of small ones.
+    stream of small ones. A waiter cancelled before it is granted is skipped.
     """
 
     def __init__(self, limit: int, what: str) -> None:
-        if limit <= 0:
-            raise ValueError(f"limit must be positive, got {limit}")
+        if not is_int_at_least(limit, 1):
+            raise ConfigError(f"must be a positive integer, got {limit!r}", field=what)
         self.limit = limit
         self.what = what
         self.used = 0
@@ -106,15 +117,17 @@ class Budget:
         if not self._waiters and self._fits(n):
             self.used += n
             return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((n, fut))
+        waiter = (n, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
         try:
-            await fut
+            await waiter[1]
         except BaseException:
-            if fut.done() and not fut.cancelled():
+            if waiter[1].done() and not waiter[1].cancelled():
                 self.give(n)  # granted and cancelled in the same step
             else:
-                self._waiters.remove((n, fut))
+                waiter[1].cancel()
+                with contextlib.suppress(ValueError):  # already skipped by a wake-up
+                    self._waiters.remove(waiter)
                 self._wake()
             raise
 
@@ -128,8 +141,14 @@ class Budget:
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters and self._fits(self._waiters[0][0]):
-            n, fut = self._waiters.popleft()
+        while self._waiters:
+            n, fut = self._waiters[0]
+            if fut.done():  # cancelled, its task not yet run: skip it
+                self._waiters.popleft()
+                continue
+            if not self._fits(n):
+                return
+            self._waiters.popleft()
             self.used += n
             fut.set_result(None)
 
@@ -195,9 +214,15 @@ class Scheduler:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
+    def cancel(self) -> None:
+        """Refuse new tasks and cancel every background task, before any of them runs again."""
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+
     async def close(self) -> None:
         """Cancel every background task and wait for each to finish unwinding."""
-        self._closing = True
+        self.cancel()
         while self._tasks:
             tasks = list(self._tasks)
             for task in tasks:

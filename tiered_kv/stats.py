@@ -65,7 +65,9 @@ class Statistics(msgspec.Struct, frozen=True, kw_only=True):
     #: Bytes moved per direction, e.g. ``"gpu->cpu"``.
     bytes_moved: dict[str, int]
     #: ``stores``: chunks submitted and not yet read from the GPU; ``write_behind``: chunks
-    #: queued for nvme; ``loads``: loads in flight; ``background_tasks``: scheduler tasks.
+    #: queued for nvme; ``loads``: loads in flight; ``copies_waiting`` and ``nvme_io_waiting``:
+    #: copies waiting for a GPU copy slot or an nvme I/O slot; ``background_tasks``:
+    #: scheduler tasks.
     queue_depths: dict[str, int]
     #: Loads that returned fewer tokens than asked, by reason: ``span`` (a sliding-window
     #: span out of bounds: nothing loaded), ``block_table`` (a block id outside the

@@ -36,6 +36,7 @@ from tiered_kv.tiers._driver import (
 )
 
 from tiered_kv.driver_base import DriverBase
+from tiered_kv.errors import TierFullError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.log import get_logger
 
@@ -63,7 +64,14 @@ class PinnedCpuTier(DriverBase):
     def __init__(self, slot_bytes: int, num_slots: int, *, pin: bool | None = None) -> None:
         super().__init__("cpu", slot_bytes, num_slots)
         self.slot_stride = round_up(slot_bytes)
-        slab = aligned_empty(self.slot_stride * num_slots)
+        try:
+            slab = aligned_empty(self.slot_stride * num_slots)
+        except (RuntimeError, MemoryError) as exc:
+            raise TierFullError(
+                f"cannot allocate {self.slot_stride * num_slots} bytes for {num_slots} slots: the capacity is more "
+                "memory than this machine can give",
+                tier=self.name,
+            ) from exc
         self.pinned = torch.cuda.is_available() if pin is None else pin
         if self.pinned:
             # Portable (flag 1): every device of the process may copy from the slab.

@@ -162,7 +162,9 @@ async def _replay(
                         namespace,
                         request_id=str(i),
                         keys=[group_keys[:stop] for group_keys in keys],
-                        block_ids=[table[: stop * per_chunk]] * len(groups),
+                        # The engine no longer holds the blocks of earlier batches (-1).
+                        block_ids=[[-1] * (start * per_chunk) + table[start * per_chunk : stop * per_chunk]]
+                        * len(groups),
                     )
                     # The engine reuses its blocks for the next batch: wait for their reads.
                     await kv.finish_request(str(i))

@@ -1,0 +1,177 @@
+"""Malformed calls at the public API, as a buggy or hostile tenant makes them.
+
+Each call must end in a typed :class:`TieredKVError` or a documented miss (``lookup`` and
+``load`` return fewer chunks or tokens, ``store`` skips), never a native exception and never
+a background failure; and afterwards the manager must go on serving every tenant correct
+bytes. The rules are written down in docs/design.md ("Errors at the public API").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from typing import Any
+
+import msgspec
+import torch
+from conftest import make_namespace
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_manager_data import engine_cache, same_blocks
+
+from tiered_kv import (
+    CpuTierConfig,
+    NamespacePolicyConfig,
+    NvmeTierConfig,
+    StoreResult,
+    TieredKV,
+    TieredKVConfig,
+    TieredKVError,
+    chunk_keys,
+)
+
+NS = make_namespace()
+OTHER_MODEL = make_namespace(model_id="acme/other")
+TENANT = msgspec.structs.replace(NS, cache_salt="tenant-b")
+CHUNK = NS.geometry.chunk_size
+K = NS.geometry.blocks_per_chunk
+GOOD_KEYS = chunk_keys(NS, list(range(4 * CHUNK)))  # 4 chunks, stored from blocks 0..15
+NUM_BLOCKS = 64
+
+bad_key = st.sampled_from(
+    [b"", b"x" * 15, b"x" * 17, b"k" * 300, "a string key", 123, None, 1.5, bytearray(16), [b"x" * 16]]
+)
+foreign_key = st.sampled_from(chunk_keys(OTHER_MODEL, list(range(CHUNK))) + chunk_keys(TENANT, list(range(CHUNK))))
+good_key = st.sampled_from(GOOD_KEYS + chunk_keys(NS, list(range(9000, 9000 + 2 * CHUNK))))
+any_key = st.one_of(good_key, bad_key, foreign_key)
+bad_block = st.sampled_from([-5, NUM_BLOCKS, 10**9, 1.5, "3", None, True, 2**70])
+good_block = st.integers(16, NUM_BLOCKS - 1)
+any_block = st.one_of(good_block, bad_block)
+bad_tokens = st.sampled_from([-1, 10**20, 1.5, None, "7", True, 17 * CHUNK])
+any_tokens = st.one_of(st.integers(0, 6 * CHUNK), bad_tokens)
+
+
+def key_lists(draw: Any) -> Any:
+    shape = draw(st.sampled_from(["ok", "groups", "flat", "not-a-list"]))
+    keys = draw(st.lists(any_key, min_size=0, max_size=6))
+    if shape == "groups":
+        return [keys, keys]
+    if shape == "flat":
+        return keys
+    if shape == "not-a-list":
+        return draw(st.sampled_from([None, 5, b"x" * 16, "keys"]))
+    return [keys]
+
+
+def block_tables(draw: Any) -> Any:
+    shape = draw(st.sampled_from(["ok", "ok", "groups", "flat", "not-a-list", "duplicates"]))
+    table = draw(st.lists(any_block, min_size=0, max_size=6 * K))
+    if shape == "groups":
+        return [table, table]
+    if shape == "flat":
+        return table
+    if shape == "not-a-list":
+        return draw(st.sampled_from([None, 5, "blocks"]))
+    if shape == "duplicates":
+        return [[16] * (4 * K)]
+    return [table]
+
+
+namespaces = st.sampled_from([NS, NS, TENANT, OTHER_MODEL, "acme/tiny", None])
+
+
+async def malformed_call(kv: TieredKV, data: Any) -> None:
+    kind = data.draw(st.sampled_from(["lookup", "load", "store", "store_nowait", "finish", "flush"]))
+    namespace = data.draw(namespaces)
+    try:
+        if kind == "lookup":
+            result: Any = kv.lookup(namespace, key_lists(data.draw))
+            assert isinstance(result, int) and result >= 0
+        elif kind == "load":
+            result = await kv.load(
+                namespace,
+                request_id=data.draw(st.sampled_from(["l", "", 7])),
+                keys=key_lists(data.draw),
+                block_ids=block_tables(data.draw),
+                num_tokens=data.draw(any_tokens),
+            )
+            assert isinstance(result, int) and result >= 0
+        elif kind in ("store", "store_nowait"):
+            call = dict(
+                request_id=data.draw(st.sampled_from(["s", "", 7, None])),
+                keys=key_lists(data.draw),
+                block_ids=block_tables(data.draw),
+            )
+            result = await kv.store(namespace, **call) if kind == "store" else kv.store_nowait(namespace, **call)
+            assert isinstance(result, StoreResult)
+        elif kind == "finish":
+            await kv.finish_request(data.draw(st.sampled_from(["s", "never-seen", 7, None])))
+        else:
+            await kv.flush(data.draw(st.sampled_from([None, [1, 2], [1.5], "blocks", [10**9]])), namespace=namespace)
+    except TieredKVError:
+        pass
+
+
+async def serves_correct_bytes(kv: TieredKV, cache: list[torch.Tensor], tag: int) -> None:
+    """The good prefix still loads bit-exact, and a new store round-trips."""
+    assert kv.lookup(NS, [GOOD_KEYS]) == 4
+    dest = list(range(16, 32))
+    assert await kv.load(NS, request_id=f"check-{tag}", keys=[GOOD_KEYS], block_ids=[dest], num_tokens=4 * CHUNK) == (
+        4 * CHUNK
+    )
+    assert same_blocks(cache, range(16), dest)
+    fresh = chunk_keys(NS, list(range(50_000 + tag * 100, 50_000 + tag * 100 + CHUNK)))
+    await kv.store(NS, request_id=f"fresh-{tag}", keys=[fresh], block_ids=[list(range(32, 36))])
+    await kv.finish_request(f"fresh-{tag}")
+    assert kv.lookup(NS, [fresh]) == 1
+    dest = list(range(40, 44))
+    assert await kv.load(NS, request_id=f"back-{tag}", keys=[fresh], block_ids=[dest], num_tokens=CHUNK) == CHUNK
+    assert same_blocks(cache, range(32, 36), dest)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_malformed_calls_are_typed_errors_or_misses_and_the_manager_keeps_serving(data: Any) -> None:
+    async def scenario() -> None:
+        cache = engine_cache(NUM_BLOCKS)
+        chunk = NS.geometry.chunk_bytes()
+        with tempfile.TemporaryDirectory() as root:
+            config = TieredKVConfig(
+                cpu=CpuTierConfig(capacity_bytes=chunk * 24),
+                nvme=NvmeTierConfig(root=root, capacity_bytes=chunk * 48, io_depth=2),
+                namespaces={NS.model_id: NamespacePolicyConfig(cpu_bytes=chunk * 16, nvme_bytes=chunk * 32)},
+            )
+            kv = TieredKV(config)
+            try:
+                await kv.register(NS, [cache])
+                await kv.register(OTHER_MODEL, [engine_cache(NUM_BLOCKS, seed=1, ns=OTHER_MODEL)])
+                await kv.store(NS, request_id="good", keys=[GOOD_KEYS], block_ids=[list(range(16))])
+                await kv.finish_request("good")
+                for _ in range(data.draw(st.integers(1, 4))):
+                    await malformed_call(kv, data)
+                    await kv.drain()  # any background failure surfaces here
+                    await serves_correct_bytes(kv, cache, data.draw(st.integers(0, 10**6)))
+                kv.check_invariants()
+            finally:
+                await kv.close()
+
+    asyncio.run(scenario())
+
+
+async def test_a_closed_manager_refuses_every_call_with_a_typed_error(tmp_path: Any) -> None:
+    kv = TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 4)))
+    await kv.register(NS, [engine_cache(NUM_BLOCKS)])
+    await kv.close()
+    calls = [
+        lambda: kv.lookup(NS, [GOOD_KEYS]),
+        lambda: kv.store_nowait(NS, request_id="s", keys=[GOOD_KEYS], block_ids=[list(range(16))]),
+        lambda: kv.finish_request_nowait("s"),
+        lambda: kv.flush_nowait(),
+    ]
+    for call in calls:
+        try:
+            call()
+        except TieredKVError as exc:
+            assert "closed" in str(exc)
+        else:
+            raise AssertionError("a closed manager answered")

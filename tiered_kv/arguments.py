@@ -1,0 +1,85 @@
+"""What a malformed call to the public API raises, decided in one place.
+
+The rules (docs/design.md, "Errors at the public API"): the shape and types of a call's
+arguments are checked when it is made, and a call that is not well formed raises a typed
+error — :class:`NamespaceError`, :class:`RequestError`, :class:`ChunkKeyError`,
+:class:`BlockTableError` — before anything is planned, so that nothing malformed reaches
+a background task. Values that are well formed but describe nothing loadable are misses,
+decided by the calls themselves.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeGuard
+
+from tiered_kv.errors import BlockTableError, ChunkKeyError, NamespaceError, RequestError, TieredKVError
+from tiered_kv.keys import KEY_BYTES
+from tiered_kv.namespace import Namespace
+
+
+def require_namespace(value: object) -> Namespace:
+    if not isinstance(value, Namespace):
+        raise NamespaceError(f"must be a Namespace, got {type(value).__name__}", field="namespace")
+    return value
+
+
+def require_request_id(value: object) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"a request id must be a string, got {type(value).__name__}")
+    return value
+
+
+def per_group(value: object, groups: int, what: str, error: type[TieredKVError]) -> Sequence[Sequence[Any]]:
+    """``value`` as one sequence per KV group: ``groups`` sequences (none of them a string
+    or bytes, which are sequences too)."""
+    if not _is_sequence(value):
+        raise error(f"{what} must be one list per KV group ({groups}), got {type(value).__name__}")
+    if len(value) != groups or not all(_is_sequence(item) for item in value):
+        raise error(f"{what} must be one list per KV group ({groups}), got {len(value)} items")
+    return value
+
+
+def require_keys(keys: Sequence[Any]) -> None:
+    """Every key a chunk key: ``bytes`` of ``KEY_BYTES``, as :mod:`tiered_kv.keys` makes them."""
+    for key in keys:
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            raise ChunkKeyError(f"a chunk key must be {KEY_BYTES} bytes, got {_describe(key)}")
+
+
+def require_block_ids(table: Iterable[Any]) -> list[int]:
+    """The block ids as ``int``s (numpy and torch integers too; never ``bool``)."""
+    try:
+        ids = [operator.index(block) for block in table]
+    except TypeError:
+        bad = next(block for block in table if not _is_index(block))
+        raise BlockTableError(f"a block id must be an integer, got {_describe(bad)}") from None
+    if any(type(block) is bool for block in table):
+        raise BlockTableError("a block id must be an integer, got a bool")
+    return ids
+
+
+def blocks_in_range(blocks: Iterable[int], num_blocks: int) -> None:
+    """Refuse block ids the registered KV cache does not have."""
+    for block in blocks:
+        if not 0 <= block < num_blocks:
+            raise BlockTableError(f"GPU block {block} is outside the registered KV cache's {num_blocks} blocks")
+
+
+def _is_sequence(value: object) -> TypeGuard[Sequence[Any]]:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
+
+
+def _is_index(value: object) -> bool:
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, bytes):
+        return f"{len(value)} bytes"
+    return type(value).__name__
