@@ -405,9 +405,9 @@ async def test_a_chunk_evicted_from_nvme_before_its_promotion_starts_is_a_miss()
     await harness.kv.drain()  # and out of cpu
     load = asyncio.ensure_future(harness.load(keys))
     await asyncio.sleep(0)  # the load has started the promotion task, which has not run yet
-    (pool,) = harness.kv._pools.values()
-    assert pool.nvme_index is not None
-    pool.nvme_index.drop(keys[0])  # an nvme eviction wins the race
+    (pool,) = harness.kv._control.pools.values()
+    assert pool.nvme is not None
+    pool.nvme.drop(keys[0])  # an nvme eviction wins the race
     assert await load == 0
     harness.kv.check_invariants()
     await harness.kv.close()

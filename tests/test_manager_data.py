@@ -33,8 +33,8 @@ from tiered_kv import (
     window_span,
 )
 from tiered_kv.config import NvmeTierConfig as NvmeConfig
-from tiered_kv.interfaces import TierDriver
-from tiered_kv.manager import HostTier, RecoverableTier, RegistryTiers
+from tiered_kv.interfaces import HostTier, RecoverableTier, TierDriver
+from tiered_kv.manager import RegistryTiers
 from tiered_kv.testing import FaultyTier
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -99,7 +99,7 @@ async def test_a_failed_registration_leaves_nothing_behind_and_can_be_retried() 
     async with TieredKV(cfg, tiers=tiers) as kv:
         with pytest.raises(TierIOError):
             await kv.register(two_groups, [gpu_tensors()[0], gpu_tensors()[0]])
-        assert kv._pools == {}
+        assert kv._control.pools == {}
         closed = [tier for tier in tiers.made["cpu"] if tier._closed]
         assert len(closed) == len(tiers.made["cpu"]) == 1  # the slab built before the failure was closed
         await kv.register(two_groups, [gpu_tensors()[0], gpu_tensors()[0]])  # the budget is still there
@@ -153,8 +153,8 @@ async def test_idle_tenants_give_their_shares_back_past_the_bound() -> None:
             )
             assert not result.rejected
             await kv.finish_request(f"r{i}")
-            (pool,) = kv._pools.values()
-            assert len(pool.owners) <= 3 and len(pool.cpu_index.partition.namespaces()) <= 3
+            (pool,) = kv._control.pools.values()
+            assert len(pool.owners) <= 3 and len(pool.cpu.partition.namespaces()) <= 3
             kv.check_invariants()
         latest = make_namespace(cache_salt="user-11")
         assert kv.lookup(latest, [keys_for(1, ns=latest)]) == 1
@@ -177,8 +177,8 @@ async def test_a_rejected_multi_group_store_changes_nothing_in_any_group() -> No
         new = [chunk_keys(two_groups, list(range(900, 916)), group=g) for g in range(2)]
         result = await kv.store(two_groups, request_id="new", keys=new, block_ids=[table, table])
         assert result.rejected
-        group0 = kv._pools[(two_groups.fingerprint_hex, 0)]
-        assert all(group0.cpu_index.is_ready(key) for key in old[0])  # group 0 kept its chunks
+        group0 = kv._control.pools[(two_groups.fingerprint_hex, 0)]
+        assert all(group0.cpu.is_ready(key) for key in old[0])  # group 0 kept its chunks
         assert not [e for e in kv.drain_events() if e.kind is KVEventKind.REMOVED]
         kv.check_invariants()
         tiers.made["gpu"][1].gate.set()
@@ -245,4 +245,4 @@ async def test_a_cpu_tier_larger_than_memory_is_a_typed_error_and_leaves_the_bud
     async with TieredKV(huge) as kv:
         with pytest.raises(TierError, match="cannot allocate"):
             await kv.register(NS, gpu_tensors())
-        assert kv._pools == {}
+        assert kv._control.pools == {}

@@ -32,7 +32,7 @@ class Residency:
     may read it), and which namespace's share it counts in (the same one, unless that
     namespace had no share of its own: see ``TieredKV``'s ``max_tenants``)."""
 
-    __slots__ = ("hits", "namespace", "owner", "pins", "slot", "state")
+    __slots__ = ("hits", "lease", "namespace", "owner", "pins", "slot", "state")
 
     def __init__(self, slot: int, owner: str, namespace: str) -> None:
         self.slot = slot
@@ -41,12 +41,28 @@ class Residency:
         self.state = State.PENDING
         self.pins = 0
         self.hits = 0
+        #: The lease epoch in which the chunk was last leased (see :class:`LeaseEpoch`).
+        self.lease = -1
 
     def __repr__(self) -> str:
         return (
             f"Residency(slot={self.slot}, owner={self.owner[:8]}, state={self.state.value}, "
             f"pins={self.pins}, hits={self.hits})"
         )
+
+
+class LeaseEpoch:
+    """The current step of an engine that answers a lookup in one call and plans the load
+    in a later one: a chunk leased in the current epoch is not evicted, and advancing the
+    epoch ends every lease at once."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def advance(self) -> None:
+        self.value += 1
 
 
 class Victim(NamedTuple):
@@ -70,8 +86,9 @@ class TierIndex:
     """Keys resident in one tier: slots, owners, PENDING/READY state, pins, and the
     per-namespace eviction order and quotas of the tier's partition."""
 
-    def __init__(self, tier: str, partition: TierPartition) -> None:
+    def __init__(self, tier: str, partition: TierPartition, epoch: LeaseEpoch | None = None) -> None:
         self.tier = tier
+        self._epoch = epoch if epoch is not None else LeaseEpoch()
         self._allocator = SlotAllocator(partition.capacity)
         self._entries: dict[ChunkKey, Residency] = {}
         self._partition = partition
@@ -161,7 +178,7 @@ class TierIndex:
 
     def _is_protected(self, key: ChunkKey) -> bool:
         entry = self._entries.get(key)
-        return entry is None or entry.pins > 0 or entry.state is not State.READY
+        return entry is None or entry.pins > 0 or entry.state is not State.READY or entry.lease == self._epoch.value
 
     # -- applying ----------------------------------------------------------------------
     def mark_ready(self, key: ChunkKey) -> None:
@@ -197,6 +214,10 @@ class TierIndex:
         entry.hits += 1
         self._partition.touch(entry.owner, key)
         return entry.hits
+
+    def lease(self, key: ChunkKey) -> None:
+        """Keep ``key`` from eviction until the epoch advances."""
+        self._require(key).lease = self._epoch.value
 
     def pin(self, key: ChunkKey) -> int:
         entry = self._require(key)

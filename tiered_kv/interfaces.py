@@ -1,4 +1,5 @@
-"""The protocols the core speaks: tier drivers (data plane) and cache policies (decisions).
+"""The protocols the core speaks: tier drivers (data plane), the factory that builds them,
+and cache policies and admission filters (decisions).
 
 Drivers move bytes and never decide what to keep; policies order keys and own no bytes;
 admission filters say whether a chunk is worth storing at all. All are found by name
@@ -16,13 +17,17 @@ a sub-range of a chunk without touching the rest.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 import torch
 
 from tiered_kv.keys import ChunkKey
+
+if TYPE_CHECKING:
+    from tiered_kv.config import NvmeTierConfig
+    from tiered_kv.namespace import Namespace
 
 
 class TransferOp(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -76,6 +81,38 @@ class TierDriver(Protocol):
     def statistics(self) -> TierStats: ...
 
     async def close(self) -> None: ...
+
+
+class HostTier(TierDriver, Protocol):
+    """A tier whose slots are host memory the other drivers copy into and out of (cpu)."""
+
+    def view(self, slot: int) -> torch.Tensor:
+        """Slot ``slot`` as a zero-copy ``uint8`` host buffer of ``slot_bytes``."""
+        ...
+
+
+class RecoverableTier(TierDriver, Protocol):
+    """A persistent tier that knows, after reopening, which chunk each slot holds (nvme)."""
+
+    def recovered(self) -> dict[ChunkKey, int]:
+        """Key → slot of every chunk that reopening the store restored."""
+        ...
+
+    def forget(self, slots: Iterable[int]) -> None:
+        """Stop vouching for what ``slots`` hold (the core dropped those chunks)."""
+        ...
+
+
+class TierFactory(Protocol):
+    """Builds the drivers of one pool; injected so tests and benches can swap media."""
+
+    def gpu(self, namespace: Namespace, group: int, tensors: Sequence[torch.Tensor]) -> TierDriver: ...
+
+    def cpu(self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int) -> HostTier: ...
+
+    async def nvme(
+        self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: NvmeTierConfig
+    ) -> RecoverableTier: ...
 
 
 @runtime_checkable

@@ -11,27 +11,21 @@ tensor-parallel rank), then per request:
   blocks, so the engine may free them (deferred finalization); ``flush`` does the same
   for given blocks before the engine overwrites them (preemption).
 
-Each model runner's KV group (its base namespace, without the tenant fields, × group) is
-a *pool*: a cpu slab and an nvme store of equal-sized chunk slots with one residency
-index each, shared by the runner's tenants (LoRA adapters, cache salts) through a
-partition with a policy and a quota per tenant. Replicated layouts (MLA) have one
-fingerprint for all ranks, so all ranks share one copy of every chunk.
-
-Every decision (which slots, which victims) is made synchronously on the residency
-indexes; only copies are awaited, and every exit path — failure or cancellation — rolls
-the indexes back before re-raising, so they are consistent at every ``await``.
+``TieredKV`` runs both planes in one process: the :class:`~tiered_kv.control.ControlPlane`
+decides (residency, tenants, which slots, which victims) and returns plans; this module
+carries them out on the tier drivers — the data plane — under the scheduler's gates and
+budgets, and reports each outcome back. Every exit path, failure or cancellation, reports
+too, so the indexes are consistent at every ``await``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
 
 import msgspec
 import torch
@@ -46,8 +40,9 @@ from tiered_kv.arguments import (
     require_request_id,
 )
 from tiered_kv.checks import is_int_at_least
-from tiered_kv.config import NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
-from tiered_kv.directory import Reservation, TierIndex, Victim
+from tiered_kv.config import NvmeTierConfig, TieredKVConfig
+from tiered_kv.control import ControlPlane, NvmeWrite, Pool, Promotion, PromotionOutcome, StoreGroup
+from tiered_kv.directory import Victim
 from tiered_kv.errors import (
     BlockTableError,
     ChunkKeyError,
@@ -58,55 +53,18 @@ from tiered_kv.errors import (
     TieredKVError,
     TierError,
 )
-from tiered_kv.interfaces import AdmissionFilter, TierDriver, TransferOp
+from tiered_kv.interfaces import HostTier, RecoverableTier, TierDriver, TierFactory, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
-from tiered_kv.partition import TierPartition
-from tiered_kv.policy_factory import make_admission_filter
 from tiered_kv.registry import TIERS
 from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler
 from tiered_kv.spans import cdiv, span_chunks, validate_window_span, window_span
-from tiered_kv.stats import (
-    LOAD_LATENCY_BOUNDS_MS,
-    KVEvent,
-    KVEventKind,
-    LatencyHistogram,
-    NamespaceUsage,
-    Statistics,
-    TierUsage,
-)
+from tiered_kv.stats import KVEvent, Statistics
+from tiered_kv.telemetry import Telemetry
 
 log = get_logger("manager")
-
-
-class HostTier(TierDriver, Protocol):
-    """A tier whose slots are host memory the other drivers copy into and out of."""
-
-    def view(self, slot: int) -> torch.Tensor: ...
-
-
-class RecoverableTier(TierDriver, Protocol):
-    """A persistent tier that knows, after reopening, which chunk each slot holds."""
-
-    def recovered(self) -> dict[ChunkKey, int]: ...
-
-    def forget(self, slots: Iterable[int]) -> None:
-        """Stop vouching for what ``slots`` hold (the core dropped those chunks)."""
-        ...
-
-
-class TierFactory(Protocol):
-    """Builds the drivers of one pool; injected so tests and benches can swap media."""
-
-    def gpu(self, namespace: Namespace, group: int, tensors: Sequence[torch.Tensor]) -> TierDriver: ...
-
-    def cpu(self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int) -> HostTier: ...
-
-    async def nvme(
-        self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: NvmeTierConfig
-    ) -> RecoverableTier: ...
 
 
 class StoreResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,69 +76,26 @@ class StoreResult(msgspec.Struct, frozen=True, kw_only=True):
     rejected: bool = False
 
 
-class _Pool:
-    """One model runner's KV group (a base namespace × group): a cpu slab, maybe an nvme
-    store, their indexes, shared by the runner's tenants (LoRA adapters, cache salts)."""
+class _Drivers:
+    """The data plane of one pool: its cpu slab, maybe its nvme store, and each
+    registered rank's GPU tensors."""
 
-    def __init__(
-        self,
-        namespace: Namespace,
-        group: int,
-        policy: NamespacePolicyConfig,
-        cpu: HostTier,
-        cpu_index: TierIndex,
-        nvme: RecoverableTier | None,
-        nvme_index: TierIndex | None,
-    ) -> None:
-        self.fingerprint = namespace.fingerprint_hex
-        self.model_id = namespace.model_id
-        self.group = group
-        geometry = namespace.geometry
-        self.kind = geometry.groups[group].kind
-        self.window = geometry.groups[group].window
-        self.block_size = geometry.block_size
-        self.chunk_size = geometry.chunk_size
-        self.blocks_per_chunk = geometry.blocks_per_chunk
-        self.chunk_bytes = geometry.chunk_bytes(group)
-        self.policy = policy
+    __slots__ = ("cpu", "gpus", "nvme")
+
+    def __init__(self, cpu: HostTier, nvme: RecoverableTier | None) -> None:
         self.cpu = cpu
-        self.cpu_index = cpu_index
         self.nvme = nvme
-        self.nvme_index = nvme_index
         self.gpus: dict[int, TierDriver] = {}
-        #: Turns away chunks not yet seen often enough to be worth storing (``None``: none).
-        self.admission: AdmissionFilter | None = None
-        #: Tenant namespaces (fingerprints) that have a share in this pool's partitions.
-        self.owners: set[str] = set()
-
-    def ready_anywhere(self, key: ChunkKey, owner: str) -> bool:
-        """Whether some tier holds ``key`` ready for namespace ``owner`` (its fingerprint)."""
-        return self.cpu_index.ready_for(key, owner) or (
-            self.nvme_index is not None and self.nvme_index.ready_for(key, owner)
-        )
-
-    def resident_anywhere(self, key: ChunkKey) -> bool:
-        return key in self.cpu_index or (self.nvme_index is not None and key in self.nvme_index)
 
 
 class _StoreJob:
-    """Chunks of one store call being copied out of one rank's GPU blocks."""
+    """One KV group's chunks of one store call being copied out of one rank's GPU blocks."""
 
-    def __init__(
-        self,
-        pool: _Pool,
-        namespace: str,
-        rank: int,
-        request_id: str,
-        chunks: list[tuple[ChunkKey, tuple[int, ...]]],
-    ) -> None:
-        self.pool = pool
-        #: The fingerprint of the namespace storing (a model's, or one of its tenants').
-        self.namespace = namespace
+    def __init__(self, group: StoreGroup, rank: int, request_id: str) -> None:
+        self.group = group
         self.rank = rank
         self.request_id = request_id
-        self.chunks = chunks
-        self.blocks = frozenset(block for _, blocks in chunks for block in blocks)
+        self.blocks = frozenset(block for _, blocks in group.chunks for block in blocks)
         self.started = False
         #: Resolved once no copy of this job reads GPU blocks any more (done, failed or cancelled).
         self.gpu_released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -190,7 +105,7 @@ class _StoreJob:
 class _LoadPlan:
     """One group's part of a load: chunk keys in order and where each lands on the GPU."""
 
-    pool: _Pool
+    pool: Pool
     #: The fingerprint of the namespace loading: only its own chunks are staged.
     namespace: str
     keys: list[ChunkKey]
@@ -227,11 +142,14 @@ class TieredKV:
         self.config = config
         self._tiers: TierFactory = tiers if tiers is not None else RegistryTiers()
         self._clock = clock
-        self._pools: dict[tuple[str, int], _Pool] = {}
+        self._telemetry = Telemetry(max_events)
+        self._control = ControlPlane(self._telemetry, max_tenants=max_tenants, clock=clock)
+        self._drivers: dict[tuple[str, int], _Drivers] = {}
+        #: Ranks registered per base namespace fingerprint.
+        self._ranks: dict[str, set[int]] = {}
         self._registering = asyncio.Lock()
         #: Loads waiting on each shared nvme → cpu promotion, by (pool, group, key).
         self._promotion_claims: collections.Counter[tuple[str, int, ChunkKey]] = collections.Counter()
-        self._max_tenants = max_tenants
         self._cpu_left = config.cpu.capacity_bytes
         self._nvme_left = config.nvme.capacity_bytes if config.nvme else 0
         self._scheduler = Scheduler()
@@ -242,15 +160,6 @@ class TieredKV:
         self._write_behind_budget = Budget(max_write_behind_chunks, "nvme write-behind queue (chunks)")
         #: Store jobs still reading GPU blocks, by request.
         self._jobs: dict[str, set[_StoreJob]] = collections.defaultdict(set)
-        self._events: collections.deque[KVEvent] = collections.deque(maxlen=max_events)
-        self._events_dropped = 0
-        self._lookups: collections.Counter[str] = collections.Counter()
-        self._loaded: collections.Counter[str] = collections.Counter()
-        self._load_latency = [0] * (len(LOAD_LATENCY_BOUNDS_MS) + 1)
-        self._load_ms = 0.0
-        self._bytes: collections.Counter[str] = collections.Counter()
-        self._rejected: collections.Counter[str] = collections.Counter()
-        self._stores_rejected = 0
         self._loads_in_flight = 0
         self._closed = False
 
@@ -281,7 +190,7 @@ class TieredKV:
         the first failure is raised once all are closed."""
         await self._scheduler.close()
         failures: list[BaseException] = []
-        for driver in self._drivers():
+        for driver in self._all_drivers():
             try:
                 await driver.close()
             except Exception as exc:
@@ -296,12 +205,10 @@ class TieredKV:
         self._scheduler.check()
 
     def __repr__(self) -> str:
-        cpu = sum(p.cpu_index.used for p in self._pools.values())
-        cpu_cap = sum(p.cpu_index.num_slots for p in self._pools.values())
-        nvme = sum(p.nvme_index.used for p in self._pools.values() if p.nvme_index is not None)
-        nvme_cap = sum(p.nvme_index.num_slots for p in self._pools.values() if p.nvme_index is not None)
+        tiers, _ = self._control.usage()
+        usage = " ".join(f"{tier.tier}={tier.used_chunks}/{tier.capacity_chunks}" for tier in tiers)
         inflight = sum(map(len, self._jobs.values())) + self._loads_in_flight
-        return f"<TieredKV cpu={cpu}/{cpu_cap} nvme={nvme}/{nvme_cap} inflight={inflight}>"
+        return f"<TieredKV {usage or 'unregistered'} inflight={inflight}>"
 
     # -- registration ------------------------------------------------------------------
     async def register(self, namespace: Namespace, kv_caches: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -312,15 +219,15 @@ class TieredKV:
         a replicated namespace's other ranks join the same pools.
         """
         self._check()
-        geometry = namespace.geometry
+        geometry = require_namespace(namespace).geometry
         if len(kv_caches) != len(geometry.groups):
             raise ConfigError(f"{len(kv_caches)} tensor lists for {len(geometry.groups)} KV groups", field="kv_caches")
         base = namespace.base
         async with self._registering:  # replicated ranks registering at once open one set of pools
-            if (base.fingerprint_hex, 0) not in self._pools:
+            if base.fingerprint_hex not in self._ranks:
                 await self._open_pools(base)
-        pools = [self._pools[(base.fingerprint_hex, group)] for group in range(len(kv_caches))]
-        if any(namespace.tp_rank in pool.gpus for pool in pools):
+        ranks = self._ranks[base.fingerprint_hex]
+        if namespace.tp_rank in ranks:
             raise ConfigError(f"rank {namespace.tp_rank} of {namespace.model_id} is already registered")
         gpus: list[TierDriver] = []
         try:
@@ -339,8 +246,9 @@ class TieredKV:
             for gpu in gpus:
                 await gpu.close()
             raise
-        for pool, gpu in zip(pools, gpus, strict=True):
-            pool.gpus[namespace.tp_rank] = gpu
+        for group, gpu in enumerate(gpus):
+            self._drivers[(base.fingerprint_hex, group)].gpus[namespace.tp_rank] = gpu
+        ranks.add(namespace.tp_rank)
         log.info(
             "namespace.registered", namespace=base.fingerprint_hex, model=namespace.model_id, rank=namespace.tp_rank
         )
@@ -361,94 +269,50 @@ class TieredKV:
                 f"cpu budget {cpu_budget} B cannot hold one chunk of {base.model_id} ({all_groups_bytes} B)",
                 field="cpu_bytes",
             )
-        pools: list[_Pool] = []
+        opened: list[_Drivers] = []
         try:
             for group in range(len(geometry.groups)):
-                pools.append(await self._open_pool(base, group, policy, cpu_slots, nvme_slots))
+                opened.append(await self._open_drivers(base, group, cpu_slots, nvme_slots))
+            pools = self._control.add_pools(base, policy, cpu_slots, nvme_slots)
+            try:
+                for pool, drivers in zip(pools, opened, strict=True):
+                    if drivers.nvme is not None:
+                        self._control.restore(pool, drivers.nvme.recovered().items())
+            except BaseException:
+                self._control.remove_pools(base)
+                raise
         except BaseException:
-            for pool in pools:
-                await pool.cpu.close()
-                if pool.nvme is not None:
-                    await pool.nvme.close()
+            for drivers in opened:
+                await drivers.cpu.close()
+                if drivers.nvme is not None:
+                    await drivers.nvme.close()
             raise
         # Committed only once every group's drivers are open: a failed registration leaves nothing.
         self._cpu_left -= cpu_budget
         self._nvme_left -= nvme_budget
-        for pool in pools:
-            self._pools[(base.fingerprint_hex, pool.group)] = pool
+        for pool, drivers in zip(pools, opened, strict=True):
+            self._drivers[pool.id] = drivers
             log.info(
                 "pool.opened",
                 namespace=pool.fingerprint,
                 group=pool.group,
                 cpu_chunks=cpu_slots,
                 nvme_chunks=nvme_slots,
-                recovered=len(pool.nvme_index) if pool.nvme_index is not None else 0,
+                recovered=len(pool.nvme) if pool.nvme is not None else 0,
             )
+        self._ranks[base.fingerprint_hex] = set()
 
-    async def _open_pool(
-        self, base: Namespace, group: int, policy: NamespacePolicyConfig, cpu_slots: int, nvme_slots: int
-    ) -> _Pool:
+    async def _open_drivers(self, base: Namespace, group: int, cpu_slots: int, nvme_slots: int) -> _Drivers:
         chunk_bytes = base.geometry.chunk_bytes(group)
         cpu = self._tiers.cpu(base, group, chunk_bytes, cpu_slots)
-        nvme = nvme_index = None
+        if self.config.nvme is None or not nvme_slots:
+            return _Drivers(cpu, None)
         try:
-            if self.config.nvme is not None and nvme_slots:
-                nvme = await self._tiers.nvme(base, group, chunk_bytes, nvme_slots, self.config.nvme)
-                nvme_index = TierIndex("nvme", TierPartition("nvme", nvme_slots, clock=self._clock))
-            cpu_index = TierIndex("cpu", TierPartition("cpu", cpu_slots, clock=self._clock))
-            pool = _Pool(base, group, policy, cpu, cpu_index, nvme, nvme_index)
-            if policy.admission is not None:
-                # It remembers a few times more chunks than the tiers hold: a chunk worth
-                # storing comes back before that many others have been seen.
-                remembered = 4 * (cpu_slots + nvme_slots)
-                pool.admission = make_admission_filter(policy.admission, remembered, k=policy.admission_k)
-            owner = self._owner(pool, base)
-            if nvme is not None and nvme_index is not None:
-                # A warm restart cannot tell which tenant stored a chunk: it counts in the base share.
-                for key, slot in nvme.recovered().items():
-                    nvme_index.restore(key, slot, owner)
+            nvme = await self._tiers.nvme(base, group, chunk_bytes, nvme_slots, self.config.nvme)
         except BaseException:
             await cpu.close()
-            if nvme is not None:
-                await nvme.close()
             raise
-        return pool
-
-    def _owner(self, pool: _Pool, namespace: Namespace) -> str:
-        """``namespace``'s share in the pool's partitions, added on its first use with the
-        policy and quotas of its model's config. A quota that no longer fits beside the
-        others' is dropped (logged as ``quota.unavailable``): the tenant shares the rest.
-
-        Shares are bounded (``max_tenants`` per pool): past the bound, tenants holding no
-        chunk lose their share, and if none does, the newcomer's chunks count in the
-        model's own share (logged as ``tenant.limit``); keys keep tenants apart either way.
-        """
-        owner = namespace.fingerprint_hex
-        if owner in pool.owners:
-            return owner
-        indexes = [index for index in (pool.cpu_index, pool.nvme_index) if index is not None]
-        if len(pool.owners) >= self._max_tenants:
-            idle = [
-                other
-                for other in pool.owners
-                if other != pool.fingerprint and not any(index.partition.usage(other) for index in indexes)
-            ]
-            for other in idle:
-                for index in indexes:
-                    index.partition.remove_namespace(other)
-                pool.owners.discard(other)
-            if not idle:
-                log.warning("tenant.limit", namespace=owner, pool=pool.fingerprint, max_tenants=self._max_tenants)
-                return pool.fingerprint
-        for index in indexes:
-            quota = pool.policy.quota_chunks.get(index.tier, 0)
-            try:
-                index.partition.add_namespace(owner, pool.policy.policy, quota=quota)
-            except ConfigError as exc:
-                log.warning("quota.unavailable", namespace=owner, tier=index.tier, quota=quota, error=str(exc))
-                index.partition.add_namespace(owner, pool.policy.policy)
-        pool.owners.add(owner)
-        return owner
+        return _Drivers(cpu, nvme)
 
     def _take_budget(self, tier: str, wanted: int | None, left: int) -> int:
         if wanted is None:
@@ -457,64 +321,22 @@ class TieredKV:
             raise ConfigError(f"{wanted} B of {tier} requested but only {left} B are unassigned", field=f"{tier}_bytes")
         return wanted
 
-    def _pools_of(self, namespace: Namespace) -> list[_Pool]:
-        fingerprint = require_namespace(namespace).base.fingerprint_hex
-        pools = []
-        for group in range(len(namespace.geometry.groups)):
-            pool = self._pools.get((fingerprint, group))
-            if pool is None or namespace.tp_rank not in pool.gpus:
-                raise NamespaceError(f"namespace {namespace.model_id} rank {namespace.tp_rank} is not registered")
-            pools.append(pool)
+    def _pools_of(self, namespace: Namespace) -> list[Pool]:
+        pools = self._control.pools_of(namespace)
+        if namespace.tp_rank not in self._ranks[pools[0].fingerprint]:
+            raise NamespaceError(f"namespace {namespace.model_id} rank {namespace.tp_rank} is not registered")
         return pools
 
     # -- lookup ------------------------------------------------------------------------
     def lookup(self, namespace: Namespace, keys: Sequence[Sequence[ChunkKey]]) -> int:
         """How many leading chunks can be loaded now: every full-attention (and MLA) group
         holds chunks ``0 … n−1`` ready and every sliding-window group holds the chunks its
-        window at ``n`` chunks overlaps. A chunk whose store is in flight is not a hit."""
+        window at ``n`` chunks overlaps. A chunk whose store is in flight is not a hit, nor
+        is one another namespace stored."""
         self._check()
         pools = self._pools_of(namespace)
         per_group(keys, len(pools), "keys", ChunkKeyError)
-        owner = namespace.fingerprint_hex
-        asked = n = min(len(group_keys) for group_keys in keys)
-        windowed = []
-        #: Positions some full-attention group holds only in nvme.
-        from_nvme: set[int] = set()
-        try:
-            for pool, group_keys in zip(pools, keys, strict=True):
-                if pool.kind is AttentionKind.SLIDING_WINDOW:
-                    windowed.append((pool, group_keys))
-                    continue
-                in_cpu = pool.cpu_index.ready_for
-                in_nvme = pool.nvme_index.ready_for if pool.nvme_index is not None else None
-                for i in range(n):
-                    key = group_keys[i]
-                    if in_cpu(key, owner):
-                        continue
-                    if in_nvme is None or not in_nvme(key, owner):
-                        n = i
-                        break
-                    from_nvme.add(i)
-        except TypeError as exc:  # an unhashable "key"
-            raise ChunkKeyError(f"a chunk key must be bytes: {exc}") from None
-        while n and not all(self._window_ready(pool, group_keys, n, owner) for pool, group_keys in windowed):
-            n -= 1
-        nvme_hits = sum(1 for i in from_nvme if i < n)
-        self._lookups["hit_cpu"] += n - nvme_hits
-        self._lookups["hit_nvme"] += nvme_hits
-        self._lookups["miss"] += asked - n
-        log.debug("lookup.done", namespace=pools[0].fingerprint, n_chunks=n, asked=len(keys[0]))
-        return n
-
-    @staticmethod
-    def _window_ready(pool: _Pool, keys: Sequence[ChunkKey], n_chunks: int, owner: str) -> bool:
-        assert pool.window is not None
-        span = window_span(n_chunks * pool.chunk_size, pool.window, pool.block_size)
-        chunks = span_chunks(span, block_size=pool.block_size, chunk_size=pool.chunk_size).chunks
-        try:
-            return all(pool.ready_anywhere(keys[c], owner) for c in chunks)
-        except TypeError as exc:
-            raise ChunkKeyError(f"a chunk key must be bytes: {exc}") from None
+        return self._control.lookup(namespace, keys)
 
     # -- load --------------------------------------------------------------------------
     async def load(
@@ -552,12 +374,11 @@ class TieredKV:
                 ]
                 for pool, plan in zip(pools, plans, strict=True):
                     require_keys(plan.keys)
-                    blocks_in_range(
-                        (b for blocks in plan.blocks for b in blocks), pool.gpus[namespace.tp_rank].num_slots
-                    )
+                    gpu = self._drivers[pool.id].gpus[namespace.tp_rank]
+                    blocks_in_range((b for blocks in plan.blocks for b in blocks), gpu.num_slots)
             except (SpanError, BlockTableError) as exc:
                 reason = "span" if isinstance(exc, SpanError) else "block_table"
-                self._rejected[reason] += 1
+                self._telemetry.loads_rejected[reason] += 1
                 log.warning(
                     "load.rejected",
                     namespace=pools[0].fingerprint,
@@ -574,10 +395,9 @@ class TieredKV:
             finally:
                 self._loads_in_flight -= 1
             if loaded < num_tokens:
-                self._rejected["transfer"] += 1
+                self._telemetry.loads_rejected["transfer"] += 1
             ms = (self._clock() - started) * 1e3
-            self._load_latency[bisect.bisect_left(LOAD_LATENCY_BOUNDS_MS, ms)] += 1
-            self._load_ms += ms
+            self._telemetry.load_timed(ms)
             log.debug(
                 "load.done",
                 namespace=pools[0].fingerprint,
@@ -589,8 +409,9 @@ class TieredKV:
             )
             return loaded
 
+    @staticmethod
     def _plan_load(
-        self, pool: _Pool, namespace: str, keys: Sequence[ChunkKey], block_ids: Sequence[int], num_tokens: int
+        pool: Pool, namespace: str, keys: Sequence[ChunkKey], block_ids: Sequence[int], num_tokens: int
     ) -> _LoadPlan:
         k, b = pool.blocks_per_chunk, pool.block_size
         if not is_int_at_least(num_tokens, 0):
@@ -634,7 +455,7 @@ class TieredKV:
         Full-attention groups keep their good prefix; a sliding-window group's chunks are
         all or nothing, since a partial window is useless to the engine.
         """
-        pinned: list[tuple[_Pool, ChunkKey]] = []
+        pinned: list[tuple[Pool, ChunkKey]] = []
         pending: list[list[tuple[ChunkKey, asyncio.Task[bool] | None]]] = []
         try:
             pending += [self._start_stage(plan, pinned) for plan in plans]  # every promotion starts now
@@ -651,8 +472,9 @@ class TieredKV:
             async with self._gate.hold(LOAD_PRIORITY):
                 for plan, slots in zip(plans, staged, strict=True):
                     pool = plan.pool
+                    drivers = self._drivers[pool.id]
                     ops = [
-                        TransferOp(buffer=pool.cpu.view(slot), key=key, blocks=blocks, first_block=first)
+                        TransferOp(buffer=drivers.cpu.view(slot), key=key, blocks=blocks, first_block=first)
                         for slot, key, blocks, first in zip(
                             slots, plan.keys, plan.blocks, plan.first_blocks, strict=False
                         )
@@ -660,12 +482,12 @@ class TieredKV:
                     if not ops:
                         continue
                     try:
-                        await pool.gpus[rank].write(ops)
+                        await drivers.gpus[rank].write(ops)
                     except TierError as exc:
                         self._transfer_failed("cpu->gpu", pool, request_id, exc)
                         return 0
                     block_bytes = pool.chunk_bytes // pool.blocks_per_chunk
-                    self._bytes["cpu->gpu"] += block_bytes * sum(len(op.blocks) for op in ops)
+                    self._telemetry.bytes_moved["cpu->gpu"] += block_bytes * sum(len(op.blocks) for op in ops)
             good = [
                 len(slots) * plan.pool.chunk_size
                 for plan, slots, is_window in zip(plans, staged, windowed, strict=True)
@@ -678,24 +500,26 @@ class TieredKV:
                     if task is not None:
                         self._drop_claim(plan.pool, key, task)
             for pool, key in pinned:
-                pool.cpu_index.unpin(key)
+                self._control.unpin(pool, key)
 
     def _start_stage(
-        self, plan: _LoadPlan, pinned: list[tuple[_Pool, ChunkKey]]
+        self, plan: _LoadPlan, pinned: list[tuple[Pool, ChunkKey]]
     ) -> list[tuple[ChunkKey, asyncio.Task[bool] | None]]:
         """The plan's leading chunks that some tier holds: those in cpu are pinned at once,
         and a shared nvme → cpu promotion starts for each that only nvme holds."""
         pool = plan.pool
         steps: list[tuple[ChunkKey, asyncio.Task[bool] | None]] = []
         for key in plan.keys:
-            if pool.cpu_index.ready_for(key, plan.namespace):
-                pool.cpu_index.pin(key)
+            if pool.cpu.ready_for(key, plan.namespace):
+                self._control.pin(pool, key)
                 pinned.append((pool, key))
                 steps.append((key, None))
-            elif pool.nvme_index is not None and pool.nvme_index.ready_for(key, plan.namespace):
+            elif pool.nvme is not None and pool.nvme.ready_for(key, plan.namespace):
                 handle = (pool.fingerprint, pool.group, key)
                 task = self._scheduler.shared(
-                    handle, functools.partial(self._promote, pool, key), name=f"promote-{key.hex()[:8]}"
+                    handle,
+                    functools.partial(self._promote, pool, key, plan.namespace),
+                    name=f"promote-{key.hex()[:8]}",
                 )
                 self._promotion_claims[handle] += 1  # the promotion pins the chunk for each claim
                 steps.append((key, task))
@@ -707,7 +531,7 @@ class TieredKV:
         self,
         plan: _LoadPlan,
         steps: list[tuple[ChunkKey, asyncio.Task[bool] | None]],
-        pinned: list[tuple[_Pool, ChunkKey]],
+        pinned: list[tuple[Pool, ChunkKey]],
         sources: collections.Counter[str],
     ) -> list[int]:
         """Wait for the promotions, which pin what they bring in for this load; the cpu
@@ -726,18 +550,17 @@ class TieredKV:
                 if not promoted:
                     break
                 pinned.append((pool, key))
-            entry = pool.cpu_index.get(key)
+            entry = pool.cpu.get(key)
             assert entry is not None
             slots.append(entry.slot)
             tier = "nvme" if task is not None else "cpu"
-            self._loaded[tier] += 1
+            self._telemetry.loaded[tier] += 1
             sources[tier] += 1
-            hits = pool.cpu_index.hit(key)
-            if pool.policy.write_policy is WritePolicy.SELECTIVE and hits >= pool.policy.selective_hits:
+            if self._control.hit(pool, key):
                 self._write_behind(pool, [key])
         return slots
 
-    def _drop_claim(self, pool: _Pool, key: ChunkKey, task: asyncio.Task[bool]) -> None:
+    def _drop_claim(self, pool: Pool, key: ChunkKey, task: asyncio.Task[bool]) -> None:
         """Give up a load's claim on a promotion: its pin if the chunk came in, else its
         place among the claims the promotion will pin for."""
         if not task.done():
@@ -746,7 +569,7 @@ class TieredKV:
             if self._promotion_claims[handle] <= 0:
                 del self._promotion_claims[handle]
         elif not task.cancelled() and task.exception() is None and task.result():
-            pool.cpu_index.unpin(key)
+            self._control.unpin(pool, key)
 
     @staticmethod
     async def _promoted(task: asyncio.Task[bool]) -> bool:
@@ -760,58 +583,42 @@ class TieredKV:
                 return False
             raise
 
-    async def _promote(self, pool: _Pool, key: ChunkKey) -> bool:
+    async def _promote(self, pool: Pool, key: ChunkKey, namespace: str) -> bool:
         """Read one chunk nvme → cpu, shared by every load that claimed it; True when it is
         READY in cpu, pinned once for each claim, so that no eviction can take it between
         this task's end and its loads' next steps."""
         try:
-            promoted = await self._read_into_cpu(pool, key)
+            plan = self._control.plan_promotion(pool, key, namespace)
+            promoted = plan if isinstance(plan, bool) else await self._read_into_cpu(plan)
         finally:
             claims = self._promotion_claims.pop((pool.fingerprint, pool.group, key), 0)
         if promoted:
             for _ in range(claims):
-                pool.cpu_index.pin(key)
+                self._control.pin(pool, key)
         return promoted
 
-    async def _read_into_cpu(self, pool: _Pool, key: ChunkKey) -> bool:
-        assert pool.nvme is not None and pool.nvme_index is not None
-        if not pool.nvme_index.is_ready(key):
-            return False  # evicted from nvme between the lookup and this task's start
-        if pool.cpu_index.is_ready(key):
-            return True  # another path brought it in meanwhile
-        if key in pool.cpu_index:
-            return False  # a store of it is in flight: not a hit yet
-        nvme_slot = pool.nvme_index.pin(key)
-        owner, namespace = pool.nvme_index.owner(key), pool.nvme_index.namespace(key)
-        reservation = pool.cpu_index.reserve([key], owner, namespace)
-        if reservation is None:
-            pool.nvme_index.unpin(key)
-            log.info("tier.full", tier="cpu", namespace=pool.fingerprint, reason="promotion")
-            return False
-        self._evicted(pool, "cpu", reservation.evicted)
-        slot = reservation.slots[key]
+    async def _read_into_cpu(self, promotion: Promotion) -> bool:
+        pool = promotion.pool
+        drivers = self._drivers[pool.id]
+        assert drivers.nvme is not None
+        outcome = PromotionOutcome.FAILED
         try:
-            await self._spill(pool, reservation.evicted)
+            await self._spill(pool, promotion.evicted)
+            op = TransferOp(buffer=drivers.cpu.view(promotion.cpu_slot), key=promotion.key, slot=promotion.nvme_slot)
             async with self._disk_gate.hold(LOAD_PRIORITY):
-                await pool.nvme.read([TransferOp(buffer=pool.cpu.view(slot), key=key, slot=nvme_slot)])
-        except BaseException as exc:
-            pool.nvme_index.unpin(key)
-            pool.cpu_index.drop(key)
-            if not isinstance(exc, TierError):
-                raise
+                await drivers.nvme.read([op])
+            outcome = PromotionOutcome.DONE
+        except TierError as exc:
             self._transfer_failed("nvme->cpu", pool, None, exc)
-            entry = pool.nvme_index.get(key)
-            if isinstance(exc, CorruptChunk) and entry is not None and not entry.pins:
-                self._drop_nvme(pool, [key])
-                self._emit(pool, KVEventKind.REMOVED, "nvme", key, namespace)
-            return False
-        pool.nvme_index.unpin(key)
-        pool.nvme_index.hit(key)
-        pool.cpu_index.mark_ready(key)
-        self._bytes["nvme->cpu"] += pool.chunk_bytes
-        self._emit(pool, KVEventKind.STORED, "cpu", key, namespace)
-        log.debug("chunk.promoted", namespace=pool.fingerprint, key=key.hex(), src="nvme", dst="cpu")
-        return True
+            if isinstance(exc, CorruptChunk):
+                outcome = PromotionOutcome.CORRUPT
+        finally:
+            forget = self._control.complete_promotion(promotion, outcome)
+            if forget:
+                drivers.nvme.forget(forget)
+        if outcome is PromotionOutcome.DONE:
+            log.debug("chunk.promoted", namespace=pool.fingerprint, key=promotion.key.hex(), src="nvme", dst="cpu")
+        return outcome is PromotionOutcome.DONE
 
     # -- store -------------------------------------------------------------------------
     async def store(
@@ -834,11 +641,11 @@ class TieredKV:
         await self._store_budget.take(bound)
         try:
             self._check()  # closed, or failed, while this store waited for room
-            pools = self._pools_of(namespace)  # still registered
+            self._pools_of(namespace)  # still registered
         except BaseException:
             self._store_budget.give(bound)
             raise
-        return self._submit_store(namespace, pools, request_id, keys, tables, bound)
+        return self._submit_store(namespace, request_id, keys, tables, bound)
 
     def store_nowait(
         self,
@@ -853,7 +660,7 @@ class TieredKV:
         tables = self._store_tables(namespace, request_id, keys, block_ids)
         bound = sum(len(k) for k in keys)
         self._store_budget.take_nowait(bound)
-        return self._submit_store(namespace, self._pools_of(namespace), request_id, keys, tables, bound)
+        return self._submit_store(namespace, request_id, keys, tables, bound)
 
     def _store_tables(
         self, namespace: Namespace, request_id: str, keys: Sequence[Sequence[ChunkKey]], block_ids: object
@@ -868,13 +675,12 @@ class TieredKV:
         for pool, group_keys, table in zip(pools, keys, tables, strict=True):
             require_keys(group_keys)
             copied = (b for b in table[: len(group_keys) * pool.blocks_per_chunk] if b >= 0)
-            blocks_in_range(copied, pool.gpus[namespace.tp_rank].num_slots)
+            blocks_in_range(copied, self._drivers[pool.id].gpus[namespace.tp_rank].num_slots)
         return tables
 
     def _submit_store(
         self,
         namespace: Namespace,
-        pools: list[_Pool],
         request_id: str,
         keys: Sequence[Sequence[ChunkKey]],
         block_ids: list[list[int]],
@@ -883,98 +689,42 @@ class TieredKV:
         # Events of this store, in its background tasks too, carry the request and namespace.
         with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
             try:
-                planned: list[tuple[_Pool, list[tuple[ChunkKey, tuple[int, ...]]]]] = []
-                skipped = 0
-                for pool, group_keys, table in zip(pools, keys, block_ids, strict=True):
-                    k = pool.blocks_per_chunk
-                    candidates = []
-                    seen = set()
-                    for c, key in enumerate(group_keys):
-                        blocks = tuple(table[c * k : (c + 1) * k])
-                        if len(blocks) < k or min(blocks) < 0 or key in seen or pool.resident_anywhere(key):
-                            skipped += 1
-                            continue
-                        seen.add(key)
-                        candidates.append((key, blocks))
-                    copied = [block for _, blocks in candidates for block in blocks]
-                    if len(set(copied)) != len(copied):
-                        raise BlockTableError("a GPU block appears in two chunks to be stored")
-                    chunks = candidates
-                    if pool.admission is not None:
-                        # Every chunk is a sighting; after one the filter turns away, the rest
-                        # of the prefix would be unreachable, so none of it is stored.
-                        admitted = [pool.admission.admit(key) for key, _ in candidates]
-                        chunks = candidates[: admitted.index(False)] if False in admitted else candidates
-                        skipped += len(candidates) - len(chunks)
-                    planned.append((pool, chunks))
-                reservations: list[tuple[_Pool, Reservation]] = []
-                for pool, chunks in planned:
-                    owner = self._owner(pool, namespace)
-                    reservation = (
-                        pool.cpu_index.reserve((key for key, _ in chunks), owner, namespace.fingerprint_hex)
-                        if chunks
-                        else None
-                    )
-                    if chunks and reservation is None:
-                        # Nothing has been copied yet: undo the other groups' reservations,
-                        # their victims included, so that a rejected store changes nothing.
-                        for done_pool, done in reservations:
-                            done_pool.cpu_index.unreserve(done)
-                        self._stores_rejected += 1
-                        log.info(
-                            "tier.full",
-                            tier="cpu",
-                            namespace=pool.fingerprint,
-                            request_id=request_id,
-                            n_chunks=len(chunks),
-                        )
-                        log.info(
-                            "store.skipped",
-                            namespace=pool.fingerprint,
-                            request_id=request_id,
-                            reason="cannot store now",
-                        )
-                        self._store_budget.give(taken)
-                        return StoreResult(submitted=0, skipped=skipped, rejected=True)
-                    if reservation is not None:
-                        reservations.append((pool, reservation))
+                plan = self._control.plan_store(namespace, keys, block_ids)
             except BaseException:
                 self._store_budget.give(taken)
                 raise
-            submitted = sum(len(chunks) for _, chunks in planned)
-            self._store_budget.give(taken - submitted)
-            for (pool, chunks), (_, reservation) in zip([(p, c) for p, c in planned if c], reservations, strict=True):
-                self._evicted(pool, "cpu", reservation.evicted)
-                job = _StoreJob(pool, namespace.fingerprint_hex, namespace.tp_rank, request_id, chunks)
+            if plan.rejected:
+                log.info("store.skipped", request_id=request_id, reason="cannot store now")
+                self._store_budget.give(taken)
+                return StoreResult(submitted=0, skipped=plan.skipped, rejected=True)
+            self._store_budget.give(taken - plan.submitted)
+            for group in plan.groups:
+                job = _StoreJob(group, namespace.tp_rank, request_id)
                 self._jobs[request_id].add(job)
-                task = self._scheduler.spawn(
-                    self._run_store(job, reservation.slots, reservation.evicted), name=f"store-{request_id}"
-                )
+                task = self._scheduler.spawn(self._run_store(job), name=f"store-{request_id}")
                 task.add_done_callback(functools.partial(self._store_finished, job))
-            if submitted:
-                log.debug("store.submitted", namespace=pools[0].fingerprint, request_id=request_id, n_chunks=submitted)
-            if skipped:
-                log.debug("store.skipped", namespace=pools[0].fingerprint, request_id=request_id, n_chunks=skipped)
-            return StoreResult(submitted=submitted, skipped=skipped)
+            if plan.submitted:
+                log.debug("store.submitted", request_id=request_id, n_chunks=plan.submitted)
+            if plan.skipped:
+                log.debug("store.skipped", request_id=request_id, n_chunks=plan.skipped)
+            return StoreResult(submitted=plan.submitted, skipped=plan.skipped)
 
-    def _job_done(self, job: _StoreJob) -> None:
-        jobs = self._jobs[job.request_id]
-        jobs.discard(job)
-        if not jobs:
-            del self._jobs[job.request_id]
-
-    async def _run_store(self, job: _StoreJob, slots: dict[ChunkKey, int], evicted: list[Victim]) -> None:
+    async def _run_store(self, job: _StoreJob) -> None:
         job.started = True
-        pool = job.pool
+        group = job.group
+        pool = group.pool
+        drivers = self._drivers[pool.id]
         started = self._clock()
         try:
-            await self._spill(pool, evicted)
-            ops = [TransferOp(buffer=pool.cpu.view(slots[key]), key=key, blocks=blocks) for key, blocks in job.chunks]
+            await self._spill(pool, group.evicted)
+            ops = [
+                TransferOp(buffer=drivers.cpu.view(group.slots[key]), key=key, blocks=blocks)
+                for key, blocks in group.chunks
+            ]
             async with self._gate.hold(STORE_PRIORITY):
-                await pool.gpus[job.rank].read(ops)
+                await drivers.gpus[job.rank].read(ops)
         except BaseException as exc:
-            for key, _ in job.chunks:
-                pool.cpu_index.drop(key)
+            self._control.complete_store(group, ok=False)
             if not isinstance(exc, TierError):
                 raise
             self._transfer_failed("gpu->cpu", pool, job.request_id, exc)
@@ -982,31 +732,32 @@ class TieredKV:
         finally:
             # Done, failed or cancelled: no copy reads the engine's blocks any more.
             job.gpu_released.set_result(None)
-        for key, _ in job.chunks:
-            pool.cpu_index.mark_ready(key)
-            self._emit(pool, KVEventKind.STORED, "cpu", key, job.namespace)
-        self._bytes["gpu->cpu"] += pool.chunk_bytes * len(job.chunks)
+        write_through = self._control.complete_store(group, ok=True)
         ms = (self._clock() - started) * 1e3
-        log.debug("store.done", namespace=pool.fingerprint, request_id=job.request_id, n_chunks=len(job.chunks), ms=ms)
-        if pool.policy.write_policy is WritePolicy.WRITE_THROUGH:
-            self._write_behind(pool, [key for key, _ in job.chunks])
+        log.debug(
+            "store.done", namespace=pool.fingerprint, request_id=job.request_id, n_chunks=len(group.chunks), ms=ms
+        )
+        if write_through:
+            self._write_behind(pool, write_through)
 
     def _store_finished(self, job: _StoreJob, task: asyncio.Task[None]) -> None:
         """Whatever became of a store's task, give back what its job holds. A task
         cancelled before its first step never ran ``_run_store``'s clean-up."""
         if not job.started:
-            for key, _ in job.chunks:
-                job.pool.cpu_index.drop(key)
+            self._control.complete_store(job.group, ok=False)
             job.gpu_released.set_result(None)
-        self._job_done(job)
-        self._store_budget.give(len(job.chunks))
+        jobs = self._jobs[job.request_id]
+        jobs.discard(job)
+        if not jobs:
+            del self._jobs[job.request_id]
+        self._store_budget.give(len(job.group.chunks))
 
     # -- cpu → nvme --------------------------------------------------------------------
-    def _write_behind(self, pool: _Pool, keys: list[ChunkKey]) -> None:
+    def _write_behind(self, pool: Pool, keys: list[ChunkKey]) -> None:
         """Copy READY cpu chunks to nvme in the background, if the bounded queue has room."""
         if pool.nvme is None or self._closed:
             return
-        keys = [key for key in keys if key not in pool.nvme_index]  # type: ignore[operator]
+        keys = [key for key in keys if key not in pool.nvme]
         if not keys:
             return
         try:
@@ -1014,59 +765,41 @@ class TieredKV:
         except TieredKVError:
             log.info("store.skipped", tier="nvme", namespace=pool.fingerprint, n_chunks=len(keys), reason="queue full")
             return
-        task = self._scheduler.spawn(self._to_nvme(pool, keys), name="write-behind")
+        task = self._scheduler.spawn(self._copy_to_nvme(pool, keys), name="write-behind")
         task.add_done_callback(lambda _: self._write_behind_budget.give(len(keys)))
 
-    async def _to_nvme(self, pool: _Pool, keys: list[ChunkKey]) -> None:
+    async def _copy_to_nvme(self, pool: Pool, keys: list[ChunkKey]) -> None:
         """Write-through and selective: copy READY cpu chunks to nvme, pinned meanwhile."""
-        assert pool.nvme_index is not None
-        pinned = [k for k in keys if pool.cpu_index.is_ready(k) and k not in pool.nvme_index]
-        try:
-            chunks = [
-                Victim(key, pool.cpu_index.pin(key), pool.cpu_index.owner(key), pool.cpu_index.namespace(key))
-                for key in pinned
-            ]
-            await self._write_nvme(pool, chunks)
-        finally:
-            for key in pinned:
-                pool.cpu_index.unpin(key)
+        write = self._control.plan_nvme_copy(pool, keys)
+        if write is not None:
+            await self._write_nvme(write)
 
-    async def _spill(self, pool: _Pool, evicted: list[Victim]) -> None:
+    async def _spill(self, pool: Pool, evicted: list[Victim]) -> None:
         """Write-back: copy chunks the cpu tier just evicted to nvme before their slots are
-        reused. Their bytes are still in the slots, which now belong to PENDING chunks."""
-        if pool.policy.write_policy is not WritePolicy.WRITE_BACK or pool.nvme_index is None or not evicted:
-            return
-        await self._write_nvme(pool, [victim for victim in evicted if victim.key not in pool.nvme_index])
+        reused."""
+        write = self._control.plan_spill(pool, evicted)
+        if write is not None:
+            await self._write_nvme(write)
 
-    async def _write_nvme(self, pool: _Pool, chunks: Sequence[Victim]) -> None:
-        """Copy chunks from their cpu slots into nvme slots of their owners' shares;
-        chunks no share has room for are skipped, failed copies dropped."""
-        assert pool.nvme is not None and pool.nvme_index is not None
-        ops = []
-        for owner, namespace in dict.fromkeys((chunk.owner, chunk.namespace) for chunk in chunks):
-            mine = [(c.key, c.slot) for c in chunks if (c.owner, c.namespace) == (owner, namespace)]
-            reservation = pool.nvme_index.reserve((key for key, _ in mine), owner, namespace)
-            if reservation is None:
-                log.info("tier.full", tier="nvme", namespace=owner, n_chunks=len(mine))
-                continue
-            self._evicted(pool, "nvme", reservation.evicted)
-            ops += [TransferOp(buffer=pool.cpu.view(slot), key=key, slot=reservation.slots[key]) for key, slot in mine]
-        if not ops:
-            return
-        keys = [op.key for op in ops]
+    async def _write_nvme(self, write: NvmeWrite) -> None:
+        """Run one planned cpu → nvme copy and report it; failed copies are dropped."""
+        drivers = self._drivers[write.pool.id]
+        assert drivers.nvme is not None
+        ops = [
+            TransferOp(buffer=drivers.cpu.view(cpu_slot), key=key, slot=nvme_slot)
+            for key, cpu_slot, nvme_slot in write.chunks
+        ]
+        ok = False
         try:
             async with self._disk_gate.hold(STORE_PRIORITY):
-                await pool.nvme.write(ops)
-        except BaseException as exc:
-            self._drop_nvme(pool, keys)
-            if not isinstance(exc, TierError):
-                raise
-            self._transfer_failed("cpu->nvme", pool, None, exc)
-            return
-        for key in keys:
-            pool.nvme_index.mark_ready(key)
-            self._emit(pool, KVEventKind.STORED, "nvme", key, pool.nvme_index.namespace(key))
-        self._bytes["cpu->nvme"] += pool.chunk_bytes * len(keys)
+                await drivers.nvme.write(ops)
+            ok = True
+        except TierError as exc:
+            self._transfer_failed("cpu->nvme", write.pool, None, exc)
+        finally:
+            forget = self._control.complete_nvme_write(write, ok)
+            if forget:
+                drivers.nvme.forget(forget)
 
     # -- request lifecycle -------------------------------------------------------------
     async def finish_request(self, request_id: str) -> None:
@@ -1075,10 +808,21 @@ class TieredKV:
         require_request_id(request_id)
         await self._released([job.gpu_released for job in self._jobs.get(request_id, ())])
 
+    def finish_request_nowait(self, request_id: str) -> bool:
+        """True when the request's GPU blocks may be freed now (no store reads them)."""
+        self._check()
+        return require_request_id(request_id) not in self._jobs
+
     def flush_nowait(self, block_ids: Iterable[int] | None = None, *, namespace: Namespace | None = None) -> bool:
         """True when no store reads any of ``block_ids`` (see :meth:`flush`) now."""
         self._check()
         return not self._reading(block_ids, namespace)
+
+    async def flush(self, block_ids: Iterable[int] | None = None, *, namespace: Namespace | None = None) -> None:
+        """Return once no store reads any of ``block_ids`` (all blocks when ``None``) of
+        ``namespace``'s rank (every registered rank when ``None``)."""
+        self._check()
+        await self._released(self._reading(block_ids, namespace))
 
     def _reading(self, block_ids: Iterable[int] | None, namespace: Namespace | None) -> list[asyncio.Future[None]]:
         if namespace is not None:
@@ -1086,27 +830,14 @@ class TieredKV:
         if block_ids is not None and not isinstance(block_ids, Iterable):
             raise BlockTableError(f"block_ids must be integers or None, got {type(block_ids).__name__}")
         wanted = None if block_ids is None else frozenset(require_block_ids(block_ids))
+        rank = None if namespace is None else (namespace.base.fingerprint_hex, namespace.tp_rank)
         return [
             job.gpu_released
             for jobs in self._jobs.values()
             for job in jobs
-            if (
-                namespace is None
-                or (job.pool.fingerprint, job.rank) == (namespace.base.fingerprint_hex, namespace.tp_rank)
-            )
+            if (rank is None or (job.group.pool.fingerprint, job.rank) == rank)
             and (wanted is None or not wanted.isdisjoint(job.blocks))
         ]
-
-    def finish_request_nowait(self, request_id: str) -> bool:
-        """True when the request's GPU blocks may be freed now (no store reads them)."""
-        self._check()
-        return require_request_id(request_id) not in self._jobs
-
-    async def flush(self, block_ids: Iterable[int] | None = None, *, namespace: Namespace | None = None) -> None:
-        """Return once no store reads any of ``block_ids`` (all blocks when ``None``) of
-        ``namespace``'s rank (every registered rank when ``None``)."""
-        self._check()
-        await self._released(self._reading(block_ids, namespace))
 
     async def _released(self, waiting: list[asyncio.Future[None]]) -> None:
         """Wait for stores to stop reading GPU blocks; the caller's cancellation does not
@@ -1123,51 +854,10 @@ class TieredKV:
 
     # -- observation -------------------------------------------------------------------
     def statistics(self) -> Statistics:
-        tiers = []
-        for name in ("cpu", "nvme"):
-            indexes = [
-                (pool.cpu_index if name == "cpu" else pool.nvme_index, pool.chunk_bytes)
-                for pool in self._pools.values()
-            ]
-            present = [(index, size) for index, size in indexes if index is not None]
-            if not present:
-                continue
-            tiers.append(
-                TierUsage(
-                    tier=name,
-                    capacity_chunks=sum(index.num_slots for index, _ in present),
-                    used_chunks=sum(index.used for index, _ in present),
-                    pinned_chunks=sum(index.pinned for index, _ in present),
-                    capacity_bytes=sum(index.num_slots * size for index, size in present),
-                    used_bytes=sum(index.used * size for index, size in present),
-                )
-            )
-        shares = [
-            NamespaceUsage(
-                namespace=owner,
-                model_id=pool.model_id,
-                tier=index.tier,
-                group=pool.group,
-                used_chunks=index.partition.usage(owner),
-                quota_chunks=index.partition.quota(owner),
-            )
-            for pool in self._pools.values()
-            for index in (pool.cpu_index, pool.nvme_index)
-            if index is not None
-            for owner in index.partition.namespaces()
-        ]
-        return Statistics(
+        tiers, namespaces = self._control.usage()
+        return self._telemetry.statistics(
             tiers=tiers,
-            namespaces=shares,
-            lookups=dict(self._lookups),
-            loaded_chunks=dict(self._loaded),
-            load_latency=LatencyHistogram(
-                bounds_ms=LOAD_LATENCY_BOUNDS_MS,
-                counts=list(self._load_latency),
-                sum_ms=self._load_ms,
-                count=sum(self._load_latency),
-            ),
-            bytes_moved=dict(self._bytes),
+            namespaces=namespaces,
             queue_depths={
                 "stores": self._store_budget.used,
                 "write_behind": self._write_behind_budget.used,
@@ -1176,49 +866,25 @@ class TieredKV:
                 "nvme_io_waiting": self._disk_gate.waiting,
                 "background_tasks": self._scheduler.background,
             },
-            loads_rejected=dict(self._rejected),
-            stores_rejected=self._stores_rejected,
-            events_dropped=self._events_dropped,
-            drivers=[driver.statistics() for driver in self._drivers()],
+            drivers=[driver.statistics() for driver in self._all_drivers()],
         )
 
-    def _drivers(self) -> list[TierDriver]:
+    def _all_drivers(self) -> list[TierDriver]:
         drivers: list[TierDriver] = []
-        for pool in self._pools.values():
+        for pool in self._drivers.values():
             drivers += [*pool.gpus.values(), pool.cpu] + ([pool.nvme] if pool.nvme else [])
         return list(dict.fromkeys(drivers))
 
     def drain_events(self, max_events: int | None = None) -> list[KVEvent]:
         """Take up to ``max_events`` KV events (all when ``None``), oldest first."""
-        count = len(self._events) if max_events is None else min(max_events, len(self._events))
-        return [self._events.popleft() for _ in range(count)]
+        return self._telemetry.drain_events(max_events)
 
     def check_invariants(self) -> None:
         """Raise if any residency index contradicts itself (for tests and debugging)."""
-        for pool in self._pools.values():
-            pool.cpu_index.check()
-            if pool.nvme_index is not None:
-                pool.nvme_index.check()
+        self._control.verify_invariants()
 
     # -- helpers -----------------------------------------------------------------------
-    def _emit(self, pool: _Pool, kind: KVEventKind, tier: str, key: ChunkKey, namespace: str) -> None:
-        if len(self._events) == self._events.maxlen:
-            self._events_dropped += 1
-        self._events.append(KVEvent(kind=kind, tier=tier, namespace=namespace, group=pool.group, key=key))
-
-    def _evicted(self, pool: _Pool, tier: str, evicted: list[Victim]) -> None:
-        for victim in evicted:
-            self._emit(pool, KVEventKind.REMOVED, tier, victim.key, victim.namespace)
-        if evicted:
-            log.debug("chunk.evicted", namespace=pool.fingerprint, tier=tier, n_chunks=len(evicted))
-
-    @staticmethod
-    def _drop_nvme(pool: _Pool, keys: list[ChunkKey]) -> None:
-        """Forget nvme chunks whose bytes cannot be trusted (failed write, corrupt read)."""
-        assert pool.nvme is not None and pool.nvme_index is not None
-        pool.nvme.forget([pool.nvme_index.drop(key) for key in keys])
-
-    def _transfer_failed(self, path: str, pool: _Pool, request_id: str | None, exc: TierError) -> None:
+    def _transfer_failed(self, path: str, pool: Pool, request_id: str | None, exc: TierError) -> None:
         # Background copies (write-behind, promotions) serve no single request; theirs is
         # whatever the contextvars of the task that started them say.
         fields = {"request_id": request_id} if request_id is not None else {}

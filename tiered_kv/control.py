@@ -1,0 +1,566 @@
+"""The control plane: which chunk lives where, and which copies to make.
+
+Synchronous and free of I/O. It owns every pool's residency index per tier, the tenants'
+shares of them and the admission filters, and answers with *plans* — slots reserved,
+victims chosen, copies to make — that a data plane carries out with the tier drivers and
+reports back through ``complete_*``. Between a plan and its completion the slots it names
+are PENDING or pinned, so the indexes are consistent whatever runs meanwhile, and a plan
+the data plane gives up on is undone by completing it as failed.
+
+:class:`~tiered_kv.manager.TieredKV` runs it beside its asyncio data plane in one
+process; an engine that splits scheduler and workers (vLLM) runs it in the scheduler's
+process and sends the plans' slots to the workers (``docs/vllm.md``).
+
+A *pool* is one model runner's KV group: a base namespace (without tenant fields) × group
+index, with a cpu index and optionally an nvme index of equal-sized chunk slots. Its
+tenants (LoRA adapters, cache salts) share it through the indexes' partitions, each with
+a policy and a quota of its own; a chunk is served only to the namespace that stored it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from tiered_kv.arguments import require_namespace
+from tiered_kv.config import NamespacePolicyConfig, WritePolicy
+from tiered_kv.directory import LeaseEpoch, Reservation, TierIndex, Victim
+from tiered_kv.errors import BlockTableError, ChunkKeyError, ConfigError, NamespaceError
+from tiered_kv.interfaces import AdmissionFilter
+from tiered_kv.keys import ChunkKey
+from tiered_kv.layout import AttentionKind
+from tiered_kv.log import get_logger
+from tiered_kv.namespace import Namespace
+from tiered_kv.partition import TierPartition
+from tiered_kv.policy_factory import make_admission_filter
+from tiered_kv.spans import span_chunks, window_span
+from tiered_kv.stats import KVEventKind, NamespaceUsage, TierUsage
+from tiered_kv.telemetry import Telemetry
+
+log = get_logger("control")
+
+
+class ChunkState(enum.Enum):
+    """Where a namespace's chunk can be read from now."""
+
+    ABSENT = "absent"
+    #: Bytes are moving into a cpu slot (a store or a promotion): not readable yet.
+    CPU_PENDING = "cpu_pending"
+    CPU_READY = "cpu_ready"
+    #: Only nvme holds it: a promotion into cpu must come first.
+    NVME_READY = "nvme_ready"
+
+
+class Pool:
+    """One model runner's KV group in the control plane: its indexes and tenants."""
+
+    def __init__(
+        self,
+        base: Namespace,
+        group: int,
+        policy: NamespacePolicyConfig,
+        cpu: TierIndex,
+        nvme: TierIndex | None,
+        admission: AdmissionFilter | None,
+    ) -> None:
+        geometry = base.geometry
+        self.fingerprint = base.fingerprint_hex
+        self.model_id = base.model_id
+        self.group = group
+        self.id = (self.fingerprint, group)
+        self.kind = geometry.groups[group].kind
+        self.window = geometry.groups[group].window
+        self.block_size = geometry.block_size
+        self.chunk_size = geometry.chunk_size
+        self.blocks_per_chunk = geometry.blocks_per_chunk
+        self.chunk_bytes = geometry.chunk_bytes(group)
+        self.policy = policy
+        self.cpu = cpu
+        self.nvme = nvme
+        #: Turns away chunks not yet seen often enough to be worth storing (``None``: none).
+        self.admission = admission
+        #: Tenant namespaces (fingerprints) that have a share in this pool's partitions.
+        self.owners: set[str] = set()
+
+    def indexes(self) -> list[TierIndex]:
+        return [self.cpu] if self.nvme is None else [self.cpu, self.nvme]
+
+    def state(self, key: ChunkKey, namespace: str) -> ChunkState:
+        """Where ``namespace`` can read ``key`` from now."""
+        entry = self.cpu.get(key)
+        if entry is not None and entry.namespace == namespace:
+            return ChunkState.CPU_READY if self.cpu.is_ready(key) else ChunkState.CPU_PENDING
+        if self.nvme is not None and self.nvme.ready_for(key, namespace):
+            return ChunkState.NVME_READY
+        return ChunkState.ABSENT
+
+    def ready_anywhere(self, key: ChunkKey, namespace: str) -> bool:
+        return self.cpu.ready_for(key, namespace) or (self.nvme is not None and self.nvme.ready_for(key, namespace))
+
+    def resident_anywhere(self, key: ChunkKey) -> bool:
+        return key in self.cpu or (self.nvme is not None and key in self.nvme)
+
+
+@dataclasses.dataclass(slots=True)
+class StoreGroup:
+    """One KV group's part of a store: chunks to copy out of GPU blocks into cpu slots."""
+
+    pool: Pool
+    #: The fingerprint of the namespace storing.
+    namespace: str
+    #: ``(key, GPU block ids)`` in prefix order.
+    chunks: list[tuple[ChunkKey, tuple[int, ...]]]
+    #: The cpu slot reserved (PENDING) for each key.
+    slots: dict[ChunkKey, int]
+    #: Chunks evicted from cpu to make room; under write-back their bytes are still in
+    #: ``slots`` until they are spilled, which must happen before the copy.
+    evicted: list[Victim]
+
+
+@dataclasses.dataclass(slots=True)
+class StorePlan:
+    groups: list[StoreGroup]
+    #: Chunks not stored: already resident, touching a block the engine no longer holds,
+    #: turned away by the admission filter, or (``partial``) beyond what fits.
+    skipped: int
+    #: Nothing fits now (every victim pinned or pending): nothing was reserved.
+    rejected: bool = False
+
+    @property
+    def submitted(self) -> int:
+        return sum(len(group.chunks) for group in self.groups)
+
+
+@dataclasses.dataclass(slots=True)
+class Promotion:
+    """Read ``key`` from nvme slot ``nvme_slot`` (pinned) into cpu slot ``cpu_slot`` (PENDING)."""
+
+    pool: Pool
+    key: ChunkKey
+    namespace: str
+    cpu_slot: int
+    nvme_slot: int
+    #: Chunks the cpu reservation evicted (to spill first under write-back).
+    evicted: list[Victim]
+
+
+@dataclasses.dataclass(slots=True)
+class NvmeWrite:
+    """Copy chunks from cpu slots into nvme slots reserved for them (PENDING)."""
+
+    pool: Pool
+    #: ``(key, cpu slot, nvme slot)``.
+    chunks: list[tuple[ChunkKey, int, int]]
+    #: cpu chunks pinned while their bytes are written (released on completion).
+    pinned: list[ChunkKey]
+
+
+class PromotionOutcome(enum.Enum):
+    DONE = "done"
+    #: The read failed or was cancelled: the nvme copy may still be good.
+    FAILED = "failed"
+    #: The bytes failed verification: the nvme copy is dropped.
+    CORRUPT = "corrupt"
+
+
+class ControlPlane:
+    """Residency, tenants and plans of every pool of one manager."""
+
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        *,
+        max_tenants: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.telemetry = telemetry
+        self.pools: dict[tuple[str, int], Pool] = {}
+        self._by_base: dict[str, list[Pool]] = {}
+        self._max_tenants = max_tenants
+        self._clock = clock
+        self._epoch = LeaseEpoch()
+
+    # -- pools -------------------------------------------------------------------------
+    def add_pools(self, base: Namespace, policy: NamespacePolicyConfig, cpu_slots: int, nvme_slots: int) -> list[Pool]:
+        """One pool per KV group of ``base``, each with ``cpu_slots`` (and ``nvme_slots``)."""
+        if base.fingerprint_hex in self._by_base:
+            raise ConfigError(f"{base.model_id} already has pools", field="namespace")
+        pools = []
+        for group in range(len(base.geometry.groups)):
+            cpu = TierIndex("cpu", TierPartition("cpu", cpu_slots, clock=self._clock), self._epoch)
+            nvme = None
+            if nvme_slots:
+                nvme = TierIndex("nvme", TierPartition("nvme", nvme_slots, clock=self._clock), self._epoch)
+            admission = None
+            if policy.admission is not None:
+                # It remembers a few times more chunks than the tiers hold: a chunk worth
+                # storing comes back before that many others have been seen.
+                remembered = 4 * (cpu_slots + nvme_slots)
+                admission = make_admission_filter(policy.admission, remembered, k=policy.admission_k)
+            pools.append(Pool(base, group, policy, cpu, nvme, admission))
+        for pool in pools:
+            self.owner(pool, pool.fingerprint)  # the model's own share comes first
+            self.pools[pool.id] = pool
+        self._by_base[base.fingerprint_hex] = pools
+        return pools
+
+    def remove_pools(self, base: Namespace) -> None:
+        """Forget the pools of ``base`` (a registration that failed after adding them)."""
+        for pool in self._by_base.pop(base.fingerprint_hex, []):
+            del self.pools[pool.id]
+
+    def restore(self, pool: Pool, recovered: Iterable[tuple[ChunkKey, int]]) -> None:
+        """Record the chunks a reopened nvme store holds (key, slot). A warm restart cannot
+        tell which tenant stored a chunk: it belongs to the model's own namespace."""
+        assert pool.nvme is not None
+        for key, slot in recovered:
+            pool.nvme.restore(key, slot, pool.fingerprint)
+
+    def pools_of(self, namespace: Namespace) -> list[Pool]:
+        """The pools of ``namespace``'s model runner, one per KV group."""
+        pools = self._by_base.get(require_namespace(namespace).base.fingerprint_hex)
+        if pools is None:
+            raise NamespaceError(f"namespace {namespace.model_id} is not registered")
+        return pools
+
+    def owner(self, pool: Pool, namespace: str) -> str:
+        """The share in the pool's partitions that chunks of ``namespace`` (a fingerprint)
+        count in: its own, added on its first use with the
+        policy and quotas of its model's config. A quota that no longer fits beside the
+        others' is dropped (logged as ``quota.unavailable``): the tenant shares the rest.
+
+        Shares are bounded (``max_tenants`` per pool): past the bound, tenants holding no
+        chunk lose their share, and if none does, the newcomer's chunks count in the
+        model's own share (logged as ``tenant.limit``); they stay the newcomer's to read.
+        """
+        owner = namespace
+        if owner in pool.owners:
+            return owner
+        indexes = pool.indexes()
+        if len(pool.owners) >= self._max_tenants:
+            idle = [
+                other
+                for other in pool.owners
+                if other != pool.fingerprint and not any(index.partition.usage(other) for index in indexes)
+            ]
+            for other in idle:
+                for index in indexes:
+                    index.partition.remove_namespace(other)
+                pool.owners.discard(other)
+            if not idle:
+                log.warning("tenant.limit", namespace=owner, pool=pool.fingerprint, max_tenants=self._max_tenants)
+                return pool.fingerprint
+        for index in indexes:
+            quota = pool.policy.quota_chunks.get(index.tier, 0)
+            try:
+                index.partition.add_namespace(owner, pool.policy.policy, quota=quota)
+            except ConfigError as exc:
+                log.warning("quota.unavailable", namespace=owner, tier=index.tier, quota=quota, error=str(exc))
+                index.partition.add_namespace(owner, pool.policy.policy)
+        pool.owners.add(owner)
+        return owner
+
+    # -- lookup ------------------------------------------------------------------------
+    def lookup(self, namespace: Namespace, keys: Sequence[Sequence[ChunkKey]]) -> int:
+        """How many leading chunks ``namespace`` can load now: every full-attention (and
+        MLA) group holds chunks ``0 … n−1`` ready and every sliding-window group holds the
+        chunks its window at ``n`` chunks overlaps. The caller checked ``keys``' shape."""
+        pools = self.pools_of(namespace)
+        owner = namespace.fingerprint_hex
+        asked = n = min(len(group_keys) for group_keys in keys)
+        windowed = []
+        #: Positions some full-attention group holds only in nvme.
+        from_nvme: set[int] = set()
+        try:
+            for pool, group_keys in zip(pools, keys, strict=True):
+                if pool.kind is AttentionKind.SLIDING_WINDOW:
+                    windowed.append((pool, group_keys))
+                    continue
+                in_cpu = pool.cpu.ready_for
+                in_nvme = pool.nvme.ready_for if pool.nvme is not None else None
+                for i in range(n):
+                    key = group_keys[i]
+                    if in_cpu(key, owner):
+                        continue
+                    if in_nvme is None or not in_nvme(key, owner):
+                        n = i
+                        break
+                    from_nvme.add(i)
+            while n and not all(self._window_ready(pool, group_keys, n, owner) for pool, group_keys in windowed):
+                n -= 1
+        except TypeError as exc:  # an unhashable "key"
+            raise ChunkKeyError(f"a chunk key must be bytes: {exc}") from None
+        self.telemetry.looked_up(asked, n, sum(1 for i in from_nvme if i < n) if from_nvme else 0)
+        return n
+
+    @staticmethod
+    def _window_ready(pool: Pool, keys: Sequence[ChunkKey], n_chunks: int, owner: str) -> bool:
+        assert pool.window is not None
+        span = window_span(n_chunks * pool.chunk_size, pool.window, pool.block_size)
+        chunks = span_chunks(span, block_size=pool.block_size, chunk_size=pool.chunk_size).chunks
+        return all(pool.ready_anywhere(keys[c], owner) for c in chunks)
+
+    # -- leases ------------------------------------------------------------------------
+    def lease(self, pool: Pool, key: ChunkKey) -> None:
+        """Keep a READY cpu chunk from eviction until :meth:`end_step` (an engine that
+        answers a lookup in one call and plans the load in a later one of the same step)."""
+        pool.cpu.lease(key)
+
+    def end_step(self) -> None:
+        """Every lease taken so far expires, at once."""
+        self._epoch.advance()
+
+    def pin(self, pool: Pool, key: ChunkKey) -> int:
+        """Pin a READY cpu chunk for a load; its slot. Undo with :meth:`unpin`."""
+        return pool.cpu.pin(key)
+
+    def unpin(self, pool: Pool, key: ChunkKey) -> None:
+        pool.cpu.unpin(key)
+
+    def hit(self, pool: Pool, key: ChunkKey) -> bool:
+        """Count a load's hit on a cpu chunk; True when the selective write policy now
+        wants it on nvme."""
+        hits = pool.cpu.hit(key)
+        return pool.policy.write_policy is WritePolicy.SELECTIVE and hits >= pool.policy.selective_hits
+
+    # -- stores ------------------------------------------------------------------------
+    def plan_store(
+        self,
+        namespace: Namespace,
+        keys: Sequence[Sequence[ChunkKey]],
+        block_ids: Sequence[Sequence[int]],
+        *,
+        partial: bool = False,
+    ) -> StorePlan:
+        """Reserve cpu slots (PENDING) for the full chunks of ``keys`` that no tier holds.
+
+        ``block_ids[g]`` is group ``g``'s block table from the prompt's first block; a
+        negative id marks a block the engine no longer holds, and chunks touching one are
+        skipped. All or nothing over the groups, unless ``partial``: then each group
+        stores the longest prefix of its chunks that fits. The caller checked the
+        arguments' shape and types (:mod:`tiered_kv.arguments`).
+        """
+        pools = self.pools_of(namespace)
+        fingerprint = namespace.fingerprint_hex
+        planned: list[tuple[Pool, list[tuple[ChunkKey, tuple[int, ...]]]]] = []
+        skipped = 0
+        for pool, group_keys, table in zip(pools, keys, block_ids, strict=True):
+            k = pool.blocks_per_chunk
+            candidates = []
+            seen = set()
+            for c, key in enumerate(group_keys):
+                blocks = tuple(table[c * k : (c + 1) * k])
+                if len(blocks) < k or min(blocks) < 0 or key in seen or pool.resident_anywhere(key):
+                    skipped += 1
+                    continue
+                seen.add(key)
+                candidates.append((key, blocks))
+            copied = [block for _, blocks in candidates for block in blocks]
+            if len(set(copied)) != len(copied):
+                raise BlockTableError("a GPU block appears in two chunks to be stored")
+            planned.append((pool, candidates))
+        groups: list[StoreGroup] = []
+        for pool, candidates in planned:
+            chunks = candidates
+            if pool.admission is not None:
+                # Every chunk is a sighting; after one the filter turns away, the rest of the
+                # prefix would be unreachable, so none of it is stored.
+                admitted = [pool.admission.admit(key) for key, _ in candidates]
+                chunks = candidates[: admitted.index(False)] if False in admitted else candidates
+                skipped += len(candidates) - len(chunks)
+            if not chunks:
+                continue
+            owner = self.owner(pool, fingerprint)
+            reservation = pool.cpu.reserve((key for key, _ in chunks), owner, fingerprint)
+            if reservation is None and partial:
+                reservation, chunks = self._reserve_prefix(pool, chunks, owner, fingerprint)
+                skipped += len(candidates) - len(chunks)
+            if reservation is None:
+                # Nothing has been copied yet: undo the other groups' reservations, their
+                # victims included, so that a rejected store changes nothing.
+                for done in groups:
+                    done.pool.cpu.unreserve(Reservation(done.slots, done.evicted))
+                self.telemetry.stores_rejected += 1
+                log.info("tier.full", tier="cpu", namespace=pool.fingerprint, n_chunks=len(chunks))
+                return StorePlan(groups=[], skipped=skipped, rejected=True)
+            groups.append(StoreGroup(pool, fingerprint, chunks, reservation.slots, reservation.evicted))
+        for group in groups:  # only now: a rejected plan puts its victims back
+            self._evicted(group.pool, "cpu", group.evicted)
+        return StorePlan(groups=groups, skipped=skipped)
+
+    @staticmethod
+    def _reserve_prefix(
+        pool: Pool, chunks: list[tuple[ChunkKey, tuple[int, ...]]], owner: str, namespace: str
+    ) -> tuple[Reservation | None, list[tuple[ChunkKey, tuple[int, ...]]]]:
+        """Reserve chunks one at a time, in prefix order, until one does not fit."""
+        slots: dict[ChunkKey, int] = {}
+        evicted: list[Victim] = []
+        for key, _ in chunks:
+            one = pool.cpu.reserve([key], owner, namespace)
+            if one is None:
+                break
+            slots.update(one.slots)
+            evicted += one.evicted
+        if not slots:
+            return None, []
+        return Reservation(slots, evicted), chunks[: len(slots)]
+
+    def complete_store(self, group: StoreGroup, ok: bool) -> list[ChunkKey]:
+        """The copy into ``group``'s cpu slots finished (READY) or failed or was
+        cancelled (dropped). The keys the write-through policy wants on nvme now."""
+        pool = group.pool
+        if not ok:
+            for key, _ in group.chunks:
+                pool.cpu.drop(key)
+            return []
+        for key, _ in group.chunks:
+            pool.cpu.mark_ready(key)
+            self.telemetry.emit(KVEventKind.STORED, "cpu", group.namespace, pool.group, key)
+        self.telemetry.bytes_moved["gpu->cpu"] += pool.chunk_bytes * len(group.chunks)
+        if pool.policy.write_policy is WritePolicy.WRITE_THROUGH and pool.nvme is not None:
+            return [key for key, _ in group.chunks]
+        return []
+
+    # -- cpu → nvme --------------------------------------------------------------------
+    def plan_nvme_copy(self, pool: Pool, keys: Iterable[ChunkKey]) -> NvmeWrite | None:
+        """Write-through and selective: copy READY cpu chunks that nvme lacks, pinned in cpu
+        meanwhile; ``None`` when none needs it or nvme has no room."""
+        if pool.nvme is None:
+            return None
+        wanted = [key for key in keys if pool.cpu.is_ready(key) and key not in pool.nvme]
+        chunks = [Victim(key, pool.cpu.pin(key), pool.cpu.owner(key), pool.cpu.namespace(key)) for key in wanted]
+        write = self._plan_nvme_write(pool, chunks, pinned=wanted)
+        if write is None:
+            for key in wanted:
+                pool.cpu.unpin(key)
+        return write
+
+    def plan_spill(self, pool: Pool, evicted: list[Victim]) -> NvmeWrite | None:
+        """Write-back: copy chunks the cpu tier just evicted to nvme before their slots are
+        reused (their bytes are still there; the slots now belong to PENDING chunks)."""
+        if pool.policy.write_policy is not WritePolicy.WRITE_BACK or pool.nvme is None or not evicted:
+            return None
+        return self._plan_nvme_write(pool, [victim for victim in evicted if victim.key not in pool.nvme], pinned=[])
+
+    def _plan_nvme_write(self, pool: Pool, chunks: Sequence[Victim], pinned: list[ChunkKey]) -> NvmeWrite | None:
+        """nvme slots in their owners' shares for chunks in cpu slots; chunks no share has
+        room for are left out."""
+        assert pool.nvme is not None
+        planned: list[tuple[ChunkKey, int, int]] = []
+        for owner, namespace in dict.fromkeys((chunk.owner, chunk.namespace) for chunk in chunks):
+            mine = [(c.key, c.slot) for c in chunks if (c.owner, c.namespace) == (owner, namespace)]
+            reservation = pool.nvme.reserve((key for key, _ in mine), owner, namespace)
+            if reservation is None:
+                log.info("tier.full", tier="nvme", namespace=owner, n_chunks=len(mine))
+                continue
+            self._evicted(pool, "nvme", reservation.evicted)
+            planned += [(key, slot, reservation.slots[key]) for key, slot in mine]
+        if not planned:
+            return None
+        return NvmeWrite(pool, planned, pinned)
+
+    def complete_nvme_write(self, write: NvmeWrite, ok: bool) -> list[int]:
+        """The write finished (READY on nvme) or failed or was cancelled (dropped); the
+        nvme slots whose contents the store must stop vouching for."""
+        pool = write.pool
+        assert pool.nvme is not None
+        for key in write.pinned:
+            pool.cpu.unpin(key)
+        if not ok:
+            return [pool.nvme.drop(key) for key, _, _ in write.chunks]
+        for key, _, _ in write.chunks:
+            pool.nvme.mark_ready(key)
+            self.telemetry.emit(KVEventKind.STORED, "nvme", pool.nvme.namespace(key), pool.group, key)
+        self.telemetry.bytes_moved["cpu->nvme"] += pool.chunk_bytes * len(write.chunks)
+        return []
+
+    # -- nvme → cpu --------------------------------------------------------------------
+    def plan_promotion(self, pool: Pool, key: ChunkKey, namespace: str) -> Promotion | bool:
+        """Reserve a cpu slot for ``namespace``'s nvme chunk ``key`` and pin its nvme slot.
+        ``True`` when cpu holds it ready already, ``False`` when it cannot come in now
+        (gone from nvme, being stored, or no cpu room)."""
+        if pool.nvme is None or not pool.nvme.ready_for(key, namespace):
+            return False  # evicted from nvme since the lookup
+        if pool.cpu.ready_for(key, namespace):
+            return True  # another path brought it in meanwhile
+        if key in pool.cpu:
+            return False  # a store of it is in flight: not a hit yet
+        nvme_slot = pool.nvme.pin(key)
+        owner = pool.nvme.owner(key)
+        reservation = pool.cpu.reserve([key], owner, namespace)
+        if reservation is None:
+            pool.nvme.unpin(key)
+            log.info("tier.full", tier="cpu", namespace=pool.fingerprint, reason="promotion")
+            return False
+        self._evicted(pool, "cpu", reservation.evicted)
+        return Promotion(pool, key, namespace, reservation.slots[key], nvme_slot, reservation.evicted)
+
+    def complete_promotion(self, promotion: Promotion, outcome: PromotionOutcome) -> list[int]:
+        """The read finished (READY in cpu), failed, or found corrupt bytes (the nvme copy
+        is dropped unless a reader still pins it); the nvme slots to stop vouching for."""
+        pool, key = promotion.pool, promotion.key
+        assert pool.nvme is not None
+        pool.nvme.unpin(key)
+        if outcome is PromotionOutcome.DONE:
+            pool.nvme.hit(key)
+            pool.cpu.mark_ready(key)
+            self.telemetry.bytes_moved["nvme->cpu"] += pool.chunk_bytes
+            self.telemetry.emit(KVEventKind.STORED, "cpu", promotion.namespace, pool.group, key)
+            return []
+        pool.cpu.drop(key)
+        entry = pool.nvme.get(key)
+        if outcome is PromotionOutcome.CORRUPT and entry is not None and not entry.pins:
+            self.telemetry.emit(KVEventKind.REMOVED, "nvme", entry.namespace, pool.group, key)
+            return [pool.nvme.drop(key)]
+        return []
+
+    # -- observation -------------------------------------------------------------------
+    def usage(self) -> tuple[list[TierUsage], list[NamespaceUsage]]:
+        """Every tier's capacity and use over all pools, and every namespace's share."""
+        tiers = []
+        for name in ("cpu", "nvme"):
+            present = [
+                (index, pool.chunk_bytes)
+                for pool in self.pools.values()
+                for index in pool.indexes()
+                if index.tier == name
+            ]
+            if present:
+                tiers.append(
+                    TierUsage(
+                        tier=name,
+                        capacity_chunks=sum(index.num_slots for index, _ in present),
+                        used_chunks=sum(index.used for index, _ in present),
+                        pinned_chunks=sum(index.pinned for index, _ in present),
+                        capacity_bytes=sum(index.num_slots * size for index, size in present),
+                        used_bytes=sum(index.used * size for index, size in present),
+                    )
+                )
+        shares = [
+            NamespaceUsage(
+                namespace=owner,
+                model_id=pool.model_id,
+                tier=index.tier,
+                group=pool.group,
+                used_chunks=index.partition.usage(owner),
+                quota_chunks=index.partition.quota(owner),
+            )
+            for pool in self.pools.values()
+            for index in pool.indexes()
+            for owner in index.partition.namespaces()
+        ]
+        return tiers, shares
+
+    def verify_invariants(self) -> None:
+        """Raise if any residency index contradicts itself (for tests and debugging)."""
+        for pool in self.pools.values():
+            for index in pool.indexes():
+                index.check()
+
+    def _evicted(self, pool: Pool, tier: str, evicted: list[Victim]) -> None:
+        for victim in evicted:
+            self.telemetry.emit(KVEventKind.REMOVED, tier, victim.namespace, pool.group, victim.key)
+        if evicted:
+            log.debug("chunk.evicted", namespace=pool.fingerprint, tier=tier, n_chunks=len(evicted))
