@@ -3,19 +3,24 @@
 Each run is a fresh engine process tree, as a server would start it: this front end, vLLM's
 engine-core process (the scheduler) and, with the multiprocessing executor, a worker process of
 its own (the model runner and its KV cache). The run generates greedily on prompts that share a
-long prefix, in phases:
+long prefix, in steps (``--steps``, by default):
 
 - cold: nothing cached; the reference output.
 - repeat: same prompts; the engine's own GPU prefix cache serves the prefix.
-- after_reset: same prompts after `reset_prefix_cache()`; the engine's cache is empty again.
+- reset: `reset_prefix_cache()` (the engine's cache only, not a connector's).
+- after_reset: same prompts; the engine's cache is empty again.
 
-and writes one JSON report: per phase the generated token ids and `num_cached_tokens` per
-request, the engine's prefix-cache counters (local, connector, and cached tokens by source tier),
-timings; plus the process
-tree, so a test can check that the scheduler and the worker ran in different processes.
+Other steps: `filler*` generates other prompts (a connector's small cpu tier then holds
+their chunks instead), `head*` a prompt sharing only the first blocks of the prefix (a later
+load then starts inside a chunk), `corrupt` flips a byte of an nvme slot on disk.
+
+It writes one JSON report: per generation step the generated token ids and
+`num_cached_tokens` per request, the engine's prefix-cache counters (local, connector, and
+cached tokens by source tier), timings; plus the process tree, so a test can check that the
+scheduler and the worker ran in different processes.
 
 Runs in the engine's interpreter:
-    python tests/vllm_engine_run.py --model DIR --out REPORT.json
+    python tests/vllm_engine_run.py --model DIR --out REPORT.json [--kv-transfer-config JSON] [--steps ...]
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 _T0 = time.monotonic()
 
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
-PHASES = ("cold", "repeat", "after_reset")
+DEFAULT_STEPS = ("cold", "repeat", "reset", "after_reset")
 
 
 def engine_env() -> None:
@@ -84,6 +89,23 @@ def process_tree() -> list[dict[str, Any]]:
     return [{"pid": p.pid, "ppid": p.ppid(), "name": " ".join(p.cmdline()[:1]) or p.name()} for p in procs]
 
 
+def flip_nvme_byte(root: Path, slot: int) -> None:
+    """Corrupt nvme slot ``slot`` of KV group 0 on disk: one payload byte flipped, the
+    manifest untouched (what a bad sector or a stray write does)."""
+    from tiered_kv.tiers.nvme_format import HEADER_BYTES, decode_manifest, slot_stride
+
+    [manifest] = root.glob("*/g0.manifest")
+    record = decode_manifest(manifest.read_bytes())
+    if slot not in record.chunks:
+        raise SystemExit(f"nvme slot {slot} holds no chunk; the manifest lists {sorted(record.chunks)}")
+    where = slot * slot_stride(record.slot_bytes) + HEADER_BYTES + 1000
+    with (manifest.parent / "g0.slots").open("r+b") as f:
+        f.seek(where)
+        byte = f.read(1)[0]
+        f.seek(where)
+        f.write(bytes([byte ^ 0xFF]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
@@ -93,6 +115,19 @@ def main() -> None:
     parser.add_argument("--suffix-tokens", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kv-transfer-config", type=json.loads, default=None, help="JSON, as vllm serve's --kv-transfer-config"
+    )
+    parser.add_argument(
+        "--steps",
+        default=",".join(DEFAULT_STEPS),
+        help="comma-separated: reset (the engine's prefix cache only), corrupt (an nvme slot), or a generation "
+        "named filler* (other prompts), head* (a prompt sharing the prefix's first --head-blocks blocks) or "
+        "anything else (the prompts)",
+    )
+    parser.add_argument("--head-blocks", type=int, default=5)
+    parser.add_argument("--nvme-root", type=Path, help="the nvme root of the corrupt step")
+    parser.add_argument("--corrupt-slot", type=int, default=2)
     args = parser.parse_args()
 
     engine_env()
@@ -110,41 +145,52 @@ def main() -> None:
         max_model_len=2048,
         seed=args.seed,
         disable_log_stats=False,  # the prefix-cache counters
+        kv_transfer_config=args.kv_transfer_config,
     )
     started = time.monotonic()
     tree = process_tree()
 
     batch = prompts(args.prompts, args.prefix_blocks, args.suffix_tokens, args.seed)
+    fillers = [prompts(1, args.prefix_blocks, args.suffix_tokens, args.seed + 1000 + i)[0] for i in range(args.prompts)]
+    head = batch[0][: args.head_blocks * BLOCK_SIZE] + prompts(1, 0, args.suffix_tokens, args.seed + 2000)[0]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     phases: dict[str, dict[str, Any]] = {}
-    for phase in PHASES:
-        if phase == "after_reset" and not llm.reset_prefix_cache():
-            raise SystemExit("reset_prefix_cache() refused")
+    for step in args.steps.split(","):
+        if step == "reset":
+            if not llm.reset_prefix_cache():
+                raise SystemExit("reset_prefix_cache() refused")
+            continue
+        if step == "corrupt":
+            flip_nvme_byte(args.nvme_root, args.corrupt_slot)
+            continue
+        chosen = fillers if step.startswith("filler") else [head] if step.startswith("head") else batch
         before = counters(llm)
         t0 = time.monotonic()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in chosen], params, use_tqdm=False)
         seconds = time.monotonic() - t0
         after = counters(llm)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        phases[phase] = {
+        phases[step] = {
             "tokens": tokens,
             "num_cached_tokens": [o.num_cached_tokens for o in outputs],
             "counters": {name: after[name] - before[name] for name in after},
             "seconds": seconds,
             "generated_tokens_per_s": sum(map(len, tokens)) / seconds,
-            "prompt_tokens_per_s": sum(map(len, batch)) / seconds,
+            "prompt_tokens_per_s": sum(map(len, chosen)) / seconds,
         }
     report = {
         "prompt_lengths": [len(p) for p in batch],
         "prefix_tokens": args.prefix_blocks * BLOCK_SIZE,
+        "head_tokens": args.head_blocks * BLOCK_SIZE,
         "block_size": BLOCK_SIZE,
         "import_s": imported - _T0,
         "engine_start_s": started - imported,
         "processes": tree,
         "phases": phases,
     }
-    args.out.write_text(json.dumps(report, indent=1))
     llm.llm_engine.engine_core.shutdown()  # LLM has no public shutdown in 0.32
+    report["shutdown_s"] = time.monotonic() - _T0 - report["import_s"] - report["engine_start_s"]
+    args.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -27,10 +27,9 @@ from typing import Any, Generic, NamedTuple, TypeVar
 from tiered_kv.config import NvmeTierConfig
 from tiered_kv.errors import CorruptChunk, TieredKVError, TierError
 from tiered_kv.integrations.vllm.loop_thread import LoopThread
-from tiered_kv.interfaces import TransferOp
+from tiered_kv.interfaces import HostTier, RecoverableTier, TierStats, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.log import get_logger
-from tiered_kv.manager import HostTier, RecoverableTier
 from tiered_kv.namespace import Namespace
 from tiered_kv.registry import TIERS
 
@@ -143,6 +142,18 @@ class CoreDataPlane(Generic[Ticket]):
         while self._results:
             out.append(self._results.popleft())
         return out
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait (blocking) until the I/O in flight has ended; for reset and shutdown only."""
+        with self._lock:
+            running = list(self._running)
+        _, not_done = concurrent.futures.wait(running, timeout=timeout_s)
+        if not_done:
+            raise TieredKVError(f"{len(not_done)} nvme operations still running after {timeout_s} s")
+
+    def statistics(self) -> list[TierStats]:
+        """The nvme stores' own counters (ops, bytes, errors)."""
+        return [store.statistics() for store in self._stores]
 
     @property
     def in_flight(self) -> int:

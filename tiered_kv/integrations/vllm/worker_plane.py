@@ -30,9 +30,8 @@ from typing import NamedTuple
 
 from tiered_kv.errors import TieredKVError
 from tiered_kv.integrations.vllm.loop_thread import LoopThread
-from tiered_kv.interfaces import TierDriver, TransferOp
+from tiered_kv.interfaces import HostTier, TierDriver, TransferOp
 from tiered_kv.log import get_logger
-from tiered_kv.manager import HostTier
 from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, PriorityGate
 
 log = get_logger("vllm.worker")
@@ -63,6 +62,75 @@ class JobResult(NamedTuple):
     #: Bytes this worker copied.
     nbytes: int
     seconds: float
+
+
+def _group_blocks(block_ids: Sequence[int], group_sizes: Sequence[int]) -> list[Sequence[int]]:
+    """vLLM's flat block list cut into one run per KV group."""
+    if sum(group_sizes) != len(block_ids):
+        raise TieredKVError(f"{len(block_ids)} GPU blocks for groups of {list(group_sizes)}")
+    runs, start = [], 0
+    for size in group_sizes:
+        runs.append(block_ids[start : start + size])
+        start += size
+    return runs
+
+
+def store_copies(
+    block_ids: Sequence[int],
+    group_sizes: Sequence[int],
+    slots: Sequence[Sequence[int]],
+    *,
+    blocks_per_chunk: int,
+) -> list[list[ChunkCopy]]:
+    """The chunk copies of a store: group ``g`` copies ``blocks_per_chunk`` blocks per chunk,
+    chunk after chunk, into ``slots[g]`` (vLLM lists the blocks of the stored chunks only,
+    in prefix order)."""
+    copies = []
+    for g, (blocks, group_slots) in enumerate(zip(_group_blocks(block_ids, group_sizes), slots, strict=True)):
+        if len(blocks) != blocks_per_chunk * len(group_slots):
+            raise TieredKVError(
+                f"group {g}: {len(blocks)} GPU blocks to store into {len(group_slots)} chunks of {blocks_per_chunk}"
+            )
+        copies.append(
+            [
+                ChunkCopy(slot, tuple(int(b) for b in blocks[i * blocks_per_chunk : (i + 1) * blocks_per_chunk]))
+                for i, slot in enumerate(group_slots)
+            ]
+        )
+    return copies
+
+
+def load_copies(
+    block_ids: Sequence[int],
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    slots: Sequence[Sequence[int]],
+    *,
+    blocks_per_chunk: int,
+) -> list[list[ChunkCopy]]:
+    """The chunk copies of a load: group ``g``'s blocks are the request's blocks from
+    position ``block_indices[g]`` on, which may lie inside the first chunk (the engine's
+    own cache holds that chunk's first blocks); the chunks are ``slots[g]`` in order."""
+    copies = []
+    for g, (blocks, first, group_slots) in enumerate(
+        zip(_group_blocks(block_ids, group_sizes), block_indices, slots, strict=True)
+    ):
+        group: list[ChunkCopy] = []
+        cursor = 0
+        offset = int(first) % blocks_per_chunk
+        for slot in group_slots:
+            count = min(blocks_per_chunk - offset, len(blocks) - cursor)
+            if count <= 0:
+                break
+            group.append(ChunkCopy(slot, tuple(int(b) for b in blocks[cursor : cursor + count]), offset))
+            cursor += count
+            offset = 0
+        if cursor != len(blocks) or len(group) != len(group_slots):
+            raise TieredKVError(
+                f"group {g}: {len(blocks)} GPU blocks from position {first} do not map onto {len(group_slots)} chunks"
+            )
+        copies.append(group)
+    return copies
 
 
 class WorkerDataPlane:
