@@ -171,9 +171,7 @@ def test_a_second_engine_on_the_same_nvme_directory_is_refused_loudly(tmp_path: 
         second.close()
 
 
-def test_a_large_recovered_index_comes_back_in_bounded_batches(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_large_recovered_index_comes_back_in_bounded_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(core_plane, "RESTORE_BATCH", 2)
     plane, cpu = make(tmp_path)
     try:

@@ -480,9 +480,7 @@ def test_kv_events_name_vllms_keys_of_chunks_stored_and_evicted(engines: Any) ->
     ]
 
 
-def test_the_statistics_file_is_rewritten_as_the_engine_steps_and_at_shutdown(
-    engines: Any, tmp_path: Path
-) -> None:
+def test_the_statistics_file_is_rewritten_as_the_engine_steps_and_at_shutdown(engines: Any, tmp_path: Path) -> None:
     path = tmp_path / "stats.json"
     now = [0.0]
     engine = engines(cpu_chunks=8, statistics_path=str(path), statistics_interval_s=10.0, clock=lambda: now[0])

@@ -16,7 +16,14 @@ from tiered_kv.tiers.gpu import GpuTier
 from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 from tiered_kv.errors import TieredKVError, TierIOError
-from tiered_kv.integrations.vllm.worker_plane import ChunkCopy, Direction, JobResult, WorkerDataPlane
+from tiered_kv.integrations.vllm.worker_plane import (
+    ChunkCopy,
+    Direction,
+    JobResult,
+    WorkerDataPlane,
+    load_copies,
+    store_copies,
+)
 from tiered_kv.interfaces import TierStats, TransferOp
 
 BPC = 4  # blocks per chunk
@@ -102,6 +109,28 @@ def test_a_load_that_starts_mid_chunk_fills_only_its_blocks_from_the_right_offse
             assert set(changed) <= {12, 13}
     finally:
         plane.close()
+
+
+def test_vllms_store_spec_maps_onto_whole_chunks_per_group() -> None:
+    # Two KV groups: the first stores two chunks, the second one; vLLM lists their blocks in a row
+    copies = store_copies([5, 6, 7, 8, 1, 2, 3, 4, 9, 10, 11, 12], [8, 4], [(3, 0), (2,)], blocks_per_chunk=4)
+    assert copies == [
+        [ChunkCopy(3, (5, 6, 7, 8)), ChunkCopy(0, (1, 2, 3, 4))],
+        [ChunkCopy(2, (9, 10, 11, 12))],
+    ]
+    with pytest.raises(TieredKVError, match="3 GPU blocks to store into 1 chunks"):
+        store_copies([1, 2, 3], [3], [(0,)], blocks_per_chunk=4)
+
+
+def test_vllms_load_spec_maps_a_load_that_starts_inside_its_first_chunk() -> None:
+    # The engine holds the first block of chunk 1: vLLM's blocks start at block index 5
+    copies = load_copies([20, 21, 22, 30, 31, 32, 33], [7], [5], [(4, 9)], blocks_per_chunk=4)
+    assert copies == [[ChunkCopy(4, (20, 21, 22), first_block=1), ChunkCopy(9, (30, 31, 32, 33))]]
+    assert load_copies([], [0], [0], [()], blocks_per_chunk=4) == [[]]
+    with pytest.raises(TieredKVError, match="do not map onto"):
+        load_copies([1, 2, 3, 4, 5], [5], [0], [(0,)], blocks_per_chunk=4)
+    with pytest.raises(TieredKVError, match="GPU blocks for groups"):
+        load_copies([1, 2], [3], [0], [(0,)], blocks_per_chunk=4)
 
 
 class GatedGpu:
