@@ -70,13 +70,18 @@ pytestmark = [
 ]
 
 
-def _run(args: list[str], log: Path) -> float:
+def _run(args: list[str], log: Path, env: dict[str, str] | None = None) -> float:
     """Run the engine's interpreter on `args`, output to `log`; the wall seconds it took."""
     assert ENGINE_PYTHON is not None
     start = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.run(
-            [ENGINE_PYTHON, *args], stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S, check=False
+            [ENGINE_PYTHON, *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=RUN_TIMEOUT_S,
+            check=False,
+            env=None if env is None else os.environ | env,
         )
     seconds = time.monotonic() - start
     if proc.returncode != 0:
@@ -107,14 +112,19 @@ def slab_dir() -> Iterator[Path]:
 
 
 def _engine_run(
-    tiny_llama: Path, name: str, steps: str, kv_transfer_config: dict[str, Any] | None = None, *extra: str
+    tiny_llama: Path,
+    name: str,
+    steps: str,
+    kv_transfer_config: dict[str, Any] | None = None,
+    *extra: str,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     work = tiny_llama.parent
     report = work / f"{name}.json"
     args = [str(TESTS / "vllm_engine_run.py"), "--model", str(tiny_llama), "--out", str(report), "--steps", steps]
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-    seconds = _run([*args, *extra], work / f"{name}.log")
+    seconds = _run([*args, *extra], work / f"{name}.log", env)
     result: dict[str, Any] = json.loads(report.read_text())
     result["process_s"] = seconds
     cold = result["phases"]["cold"]
@@ -360,3 +370,38 @@ def test_after_a_restart_of_the_engine_the_prefix_comes_from_nvme(
 
 def test_no_cpu_slab_is_left_behind_by_the_nvme_runs(after_restart: dict[str, Any], slab_dir: Path) -> None:
     assert list(slab_dir.iterdir()) == []
+
+
+# -- tiered-kv: tensor parallelism -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def tensor_parallel(tiny_llama: Path, slab_dir: Path, work: Path, baseline: dict[str, Any]) -> dict[str, Any]:
+    # Two workers, one KV head each; one cpu slot holds both ranks' parts of a chunk, one nvme
+    # record covers both. One core per worker: vLLM binds each CPU worker's threads.
+    stats = work / "tp2-stats.json"
+    config = _tiered_kv(slab_dir, stats, cpu_chunks=6, nvme_root=work / "nvme-tp2")
+    run = _engine_run(
+        tiny_llama,
+        "tiered-kv-tp2",
+        "cold,filler,reset,warm",
+        config,
+        "--tensor-parallel-size",
+        "2",
+        env={"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1")},
+    )
+    run["statistics"] = _statistics(stats)
+    return run
+
+
+def test_with_two_tensor_parallel_workers_the_prefix_comes_back_from_nvme(
+    tensor_parallel: dict[str, Any], baseline: dict[str, Any]
+) -> None:
+    names = {p["name"] for p in tensor_parallel["processes"]}
+    assert {"VLLM::Worker_TP0", "VLLM::Worker_TP1"} <= names, names
+    phases = tensor_parallel["phases"]
+    assert phases["cold"]["tokens"] == baseline["phases"]["cold"]["tokens"]
+    assert phases["warm"]["tokens"] == baseline["phases"]["cold"]["tokens"]
+    prefix = tensor_parallel["prefix_tokens"]
+    assert _external(phases["warm"]) == served(disk=prefix)
+    stats = tensor_parallel["statistics"]["statistics"]
+    cpu = next(t for t in stats["tiers"] if t["tier"] == "cpu")
+    assert cpu["capacity_bytes"] == 6 * CHUNK_BYTES  # a slot holds both ranks' halves of a chunk

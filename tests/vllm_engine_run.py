@@ -126,6 +126,7 @@ def main() -> None:
         "anything else (the prompts)",
     )
     parser.add_argument("--head-blocks", type=int, default=5)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--nvme-root", type=Path, help="the nvme root of the corrupt step")
     parser.add_argument("--corrupt-slot", type=int, default=2)
     args = parser.parse_args()
@@ -142,6 +143,7 @@ def main() -> None:
         dtype="float32",
         enforce_eager=True,
         distributed_executor_backend="mp",  # the worker in a process of its own, even at TP=1
+        tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=2048,
         seed=args.seed,
         disable_log_stats=False,  # the prefix-cache counters
