@@ -43,3 +43,16 @@ def test_a_bad_setting_fails_at_start_up_naming_it(extra: dict[str, object], fie
         parse_settings(extra)
     assert err.value.field == field
     assert err.value.source == SOURCE
+
+
+def test_the_readmes_vllm_configuration_is_one_the_adapter_accepts() -> None:
+    import json
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    [block] = re.findall(r"```json\n(.*?)```", readme, re.S)
+    config = json.loads(block)
+    extra = config["kv_connector_extra_config"]
+    assert (extra["spec_name"], extra["spec_module_path"]) == ("TieredKVOffloadingSpec", "tiered_kv.integrations.vllm")
+    settings = parse_settings(extra)
+    assert settings.config().nvme is not None
