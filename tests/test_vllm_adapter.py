@@ -165,8 +165,7 @@ def offloading_config(extra: dict[str, Any]) -> OffloadingConfig:
         groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
         worker_kv_bytes_per_block=65536,
         enable_kv_cache_events=False,
-        extra_config={"spec_name": "TieredKVOffloadingSpec", "spec_module_path": "tiered_kv.integrations.vllm"}
-        | extra,
+        extra_config={"spec_name": "TieredKVOffloadingSpec", "spec_module_path": "tiered_kv.integrations.vllm"} | extra,
         engine_id="e",
         model=OffloadingModelConfig(name="m", dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=4),

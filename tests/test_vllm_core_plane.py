@@ -4,9 +4,10 @@ promotions bounded by a deadline."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,26 @@ def make(root: Path, cpu: PinnedCpuTier | None = None) -> tuple[CoreDataPlane[st
     cpu = cpu or PinnedCpuTier(slot_bytes=SLOT, num_slots=SLOTS, pin=False)
     config = NvmeTierConfig(root=str(root), capacity_bytes=1 << 20, io_depth=2)
     return CoreDataPlane(make_namespace(), [cpu], config, nvme_slots=SLOTS), cpu
+
+
+@contextlib.contextmanager
+def open_plane(root: Path) -> Iterator[tuple[CoreDataPlane[str], PinnedCpuTier, list[tuple[bytes, int]]]]:
+    """A data plane whose stores are open: the plane, its cpu tier, the chunks it recovered."""
+    plane, cpu = make(root)
+    try:
+        plane.open()
+        recovered = [c for r in results_until(plane, opened) if isinstance(r, Recovered) for c in r.chunks]
+        yield plane, cpu, recovered
+    finally:
+        plane.close()
+
+
+def written(plane: CoreDataPlane[str], cpu: PinnedCpuTier, chunks: dict[int, int]) -> None:
+    """Fill cpu slot ``n`` with seeded bytes and write it to nvme slot ``chunks[n]`` as ``key(n)``."""
+    for n in chunks:
+        fill(cpu, n, seed=n)
+    plane.write("w", 0, [NvmeCopy(key(n), cpu_slot=n, nvme_slot=slot) for n, slot in chunks.items()])
+    assert outcome(results_until(plane, ended("w")), "w").outcome is Outcome.OK
 
 
 def results_until(plane: CoreDataPlane[str], done: Callable[[list[object]], bool], timeout: float = 30) -> list[object]:
@@ -67,39 +88,22 @@ def fill(cpu: PinnedCpuTier, slot: int, seed: int) -> torch.Tensor:
 
 def test_a_written_chunk_is_promoted_back_verified_and_survives_a_restart(tmp_path: Path) -> None:
     # Given a fresh store
-    plane, cpu = make(tmp_path)
-    try:
-        plane.open()
-        [empty] = [r for r in results_until(plane, opened) if isinstance(r, Recovered)]
-        assert empty.chunks == [] and empty.group == 0
+    with open_plane(tmp_path) as (plane, cpu, recovered):
+        assert recovered == []
         # When cpu slot 2 is written to nvme slot 5, then promoted into cpu slot 4
-        data = fill(cpu, 2, seed=1)
-        plane.write("w", 0, [NvmeCopy(key(1), cpu_slot=2, nvme_slot=5)])
-        assert outcome(results_until(plane, ended("w")), "w").outcome is Outcome.OK
-        plane.promote("p", 0, [NvmeCopy(key(1), cpu_slot=4, nvme_slot=5)], deadline_s=30)
+        written(plane, cpu, {2: 5})
+        plane.promote("p", 0, [NvmeCopy(key(2), cpu_slot=4, nvme_slot=5)], deadline_s=30)
         # Then the bytes are back, in the other slot
         assert outcome(results_until(plane, ended("p")), "p").outcome is Outcome.OK
-        assert torch.equal(cpu.view(4), data)
-    finally:
-        plane.close()
+        assert torch.equal(cpu.view(4), cpu.view(2))
     # And a new engine core finds the chunk again (the warm restart)
-    again, _ = make(tmp_path)
-    try:
-        again.open()
-        recovered = [r for r in results_until(again, opened) if isinstance(r, Recovered)]
-        assert [c for r in recovered for c in r.chunks] == [(key(1), 5)]
-    finally:
-        again.close()
+    with open_plane(tmp_path) as (_, _, recovered):
+        assert recovered == [(key(2), 5)]
 
 
 def test_a_corrupt_chunk_is_reported_corrupt_never_ok(tmp_path: Path) -> None:
-    plane, cpu = make(tmp_path)
-    try:
-        plane.open()
-        results_until(plane, opened)
-        fill(cpu, 0, seed=2)
-        plane.write("w", 0, [NvmeCopy(key(2), cpu_slot=0, nvme_slot=1)])
-        results_until(plane, ended("w"))
+    with open_plane(tmp_path) as (plane, cpu, _):
+        written(plane, cpu, {0: 1})
         # A bit flips on disk in the chunk's payload
         [slots] = list(tmp_path.glob("*/g0.slots"))
         where = slot_stride(SLOT) + HEADER_BYTES + 100  # nvme slot 1, 100 bytes into the payload
@@ -108,19 +112,15 @@ def test_a_corrupt_chunk_is_reported_corrupt_never_ok(tmp_path: Path) -> None:
             byte = f.read(1)
             f.seek(where)
             f.write(bytes([byte[0] ^ 0x01]))
-        plane.promote("p", 0, [NvmeCopy(key(2), cpu_slot=3, nvme_slot=1)], deadline_s=30)
+        plane.promote("p", 0, [NvmeCopy(key(0), cpu_slot=3, nvme_slot=1)], deadline_s=30)
         done = outcome(results_until(plane, ended("p")), "p")
         assert done.outcome is Outcome.CORRUPT and "checksum" in done.reason
         # An unknown key in a slot is corrupt too: the store vouches for nothing else
         plane.promote("q", 0, [NvmeCopy(key(9), cpu_slot=3, nvme_slot=2)], deadline_s=30)
         assert outcome(results_until(plane, ended("q")), "q").outcome is Outcome.CORRUPT
-    finally:
-        plane.close()
 
 
-def test_a_promotion_past_its_deadline_fails_and_lets_go_of_the_slot(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_promotion_past_its_deadline_fails_and_lets_go_of_the_slot(tmp_path: Path) -> None:
     # Given an nvme store whose reads hang until released
     release = threading.Event()
     reading = threading.Event()
@@ -133,15 +133,10 @@ def test_a_promotion_past_its_deadline_fails_and_lets_go_of_the_slot(
 
     TIERS.register("nvme", StuckNvme)
     try:
-        plane, cpu = make(tmp_path)
-        try:
-            plane.open()
-            results_until(plane, opened)
-            fill(cpu, 0, seed=3)
-            plane.write("w", 0, [NvmeCopy(key(3), cpu_slot=0, nvme_slot=0)])
-            results_until(plane, ended("w"))
+        with open_plane(tmp_path) as (plane, cpu, _):
+            written(plane, cpu, {0: 0})
             # When a promotion's deadline passes while the disk is stuck
-            plane.promote("p", 0, [NvmeCopy(key(3), cpu_slot=1, nvme_slot=0)], deadline_s=0.2)
+            plane.promote("p", 0, [NvmeCopy(key(0), cpu_slot=1, nvme_slot=0)], deadline_s=0.2)
             assert reading.wait(10)
             time.sleep(0.3)
             # Then it is not reported before the read let go of the slot ...
@@ -150,39 +145,26 @@ def test_a_promotion_past_its_deadline_fails_and_lets_go_of_the_slot(
             # ... and then it is reported failed, naming the deadline
             done = outcome(results_until(plane, ended("p")), "p")
             assert done.outcome is Outcome.FAILED and "0.2 s" in done.reason
-        finally:
-            release.set()
-            plane.close()
     finally:
+        release.set()
         TIERS.unregister("nvme")
 
 
 def test_a_second_engine_on_the_same_nvme_directory_is_refused_loudly(tmp_path: Path) -> None:
-    first, _ = make(tmp_path)
-    second, _ = make(tmp_path)
-    try:
-        first.open()
-        results_until(first, opened)
-        second.open()
-        with pytest.raises(TieredKVError, match="in use by another process"):
-            results_until(second, lambda seen: False, timeout=30)
-    finally:
-        first.close()
-        second.close()
+    with open_plane(tmp_path):
+        second, _ = make(tmp_path)
+        try:
+            second.open()
+            with pytest.raises(TieredKVError, match="in use by another process"):
+                results_until(second, lambda seen: False, timeout=30)
+        finally:
+            second.close()
 
 
 def test_a_large_recovered_index_comes_back_in_bounded_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(core_plane, "RESTORE_BATCH", 2)
-    plane, cpu = make(tmp_path)
-    try:
-        plane.open()
-        results_until(plane, opened)
-        for slot in range(5):
-            fill(cpu, slot, seed=slot)
-        plane.write("w", 0, [NvmeCopy(key(n), cpu_slot=n, nvme_slot=n) for n in range(5)])
-        results_until(plane, ended("w"))
-    finally:
-        plane.close()
+    with open_plane(tmp_path) as (plane, cpu, _):
+        written(plane, cpu, {n: n for n in range(5)})
     again, _ = make(tmp_path)
     try:
         again.open()
@@ -195,23 +177,10 @@ def test_a_large_recovered_index_comes_back_in_bounded_batches(tmp_path: Path, m
 
 
 def test_forgotten_slots_do_not_come_back_after_a_restart(tmp_path: Path) -> None:
-    plane, cpu = make(tmp_path)
-    try:
-        plane.open()
-        results_until(plane, opened)
-        fill(cpu, 0, seed=0)
-        fill(cpu, 1, seed=1)
-        plane.write("w", 0, [NvmeCopy(key(0), 0, 0), NvmeCopy(key(1), 1, 1)])
-        results_until(plane, ended("w"))
+    with open_plane(tmp_path) as (plane, cpu, _):
+        written(plane, cpu, {0: 0, 1: 1})
         plane.forget(0, [0])
-    finally:
-        plane.close()
-    again, _ = make(tmp_path)
-    try:
-        again.open()
-        recovered = [c for r in results_until(again, opened) if isinstance(r, Recovered) for c in r.chunks]
+    with open_plane(tmp_path) as (again, _, recovered):
         assert recovered == [(key(1), 1)]
-    finally:
-        again.close()
     with pytest.raises(TieredKVError, match="closed"):
         again.write("x", 0, [])

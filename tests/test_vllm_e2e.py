@@ -156,10 +156,24 @@ def _tiered_kv(slab_dir: Path, stats: Path, *, cpu_chunks: int, nvme_root: Path 
     }
 
 
-def _statistics(path: Path) -> dict[str, Any]:
-    record: dict[str, Any] = json.loads(path.read_text())
+def _tiered_kv_run(
+    tiny_llama: Path,
+    slab_dir: Path,
+    name: str,
+    steps: str,
+    *extra: str,
+    cpu_chunks: int,
+    nvme_root: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """An engine run with tiered-kv; its report, with the statistics the engine core wrote at shutdown."""
+    stats = tiny_llama.parent / f"{name}-stats.json"
+    config = _tiered_kv(slab_dir, stats, cpu_chunks=cpu_chunks, nvme_root=nvme_root)
+    run = _engine_run(tiny_llama, name, steps, config, *extra, env=env)
+    record: dict[str, Any] = json.loads(stats.read_text())
     assert record["final"], "the engine core did not write its statistics at shutdown"
-    return record
+    run["statistics"] = record
+    return run
 
 
 def _external(phase: dict[str, Any]) -> dict[str, float]:
@@ -243,12 +257,8 @@ def test_cached_tokens_show_where_the_prefix_came_from(baseline: dict[str, Any])
 
 # -- tiered-kv: the cpu tier ---------------------------------------------------------------
 @pytest.fixture(scope="module")
-def from_cpu(tiny_llama: Path, slab_dir: Path, work: Path, baseline: dict[str, Any]) -> dict[str, Any]:
-    stats = work / "cpu-stats.json"
-    config = _tiered_kv(slab_dir, stats, cpu_chunks=64)
-    run = _engine_run(tiny_llama, "tiered-kv-cpu", "cold,reset,head,warm", config)
-    run["statistics"] = _statistics(stats)
-    return run
+def from_cpu(tiny_llama: Path, slab_dir: Path, baseline: dict[str, Any]) -> dict[str, Any]:
+    return _tiered_kv_run(tiny_llama, slab_dir, "tiered-kv-cpu", "cold,reset,head,warm", cpu_chunks=64)
 
 
 def test_the_prefix_comes_back_from_the_cpu_tier_token_identical(
@@ -297,15 +307,18 @@ def nvme_root(work: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def from_nvme(
-    tiny_llama: Path, slab_dir: Path, work: Path, nvme_root: Path, baseline: dict[str, Any]
-) -> dict[str, Any]:
+def from_nvme(tiny_llama: Path, slab_dir: Path, nvme_root: Path, baseline: dict[str, Any]) -> dict[str, Any]:
     # A cpu tier of 6 chunks: the filler prompts' chunks push the prefix out of it, to nvme only.
-    stats = work / "nvme-stats.json"
-    config = _tiered_kv(slab_dir, stats, cpu_chunks=6, nvme_root=nvme_root)
-    run = _engine_run(tiny_llama, "tiered-kv-nvme", NVME_STEPS, config, "--nvme-root", str(nvme_root))
-    run["statistics"] = _statistics(stats)
-    return run
+    return _tiered_kv_run(
+        tiny_llama,
+        slab_dir,
+        "tiered-kv-nvme",
+        NVME_STEPS,
+        "--nvme-root",
+        str(nvme_root),
+        cpu_chunks=6,
+        nvme_root=nvme_root,
+    )
 
 
 def test_the_prefix_comes_back_from_nvme_when_the_cpu_tier_is_too_small(
@@ -345,14 +358,8 @@ def test_tiered_kvs_statistics_show_the_nvme_hits(from_nvme: dict[str, Any]) -> 
 
 
 @pytest.fixture(scope="module")
-def after_restart(
-    tiny_llama: Path, slab_dir: Path, work: Path, nvme_root: Path, from_nvme: dict[str, Any]
-) -> dict[str, Any]:
-    stats = work / "restart-stats.json"
-    config = _tiered_kv(slab_dir, stats, cpu_chunks=6, nvme_root=nvme_root)
-    run = _engine_run(tiny_llama, "tiered-kv-restart", "cold", config)
-    run["statistics"] = _statistics(stats)
-    return run
+def after_restart(tiny_llama: Path, slab_dir: Path, nvme_root: Path, from_nvme: dict[str, Any]) -> dict[str, Any]:
+    return _tiered_kv_run(tiny_llama, slab_dir, "tiered-kv-restart", "cold", cpu_chunks=6, nvme_root=nvme_root)
 
 
 def test_after_a_restart_of_the_engine_the_prefix_comes_from_nvme(
@@ -377,19 +384,17 @@ def test_no_cpu_slab_is_left_behind_by_the_nvme_runs(after_restart: dict[str, An
 def tensor_parallel(tiny_llama: Path, slab_dir: Path, work: Path, baseline: dict[str, Any]) -> dict[str, Any]:
     # Two workers, one KV head each; one cpu slot holds both ranks' parts of a chunk, one nvme
     # record covers both. One core per worker: vLLM binds each CPU worker's threads.
-    stats = work / "tp2-stats.json"
-    config = _tiered_kv(slab_dir, stats, cpu_chunks=6, nvme_root=work / "nvme-tp2")
-    run = _engine_run(
+    return _tiered_kv_run(
         tiny_llama,
+        slab_dir,
         "tiered-kv-tp2",
         "cold,filler,reset,warm",
-        config,
         "--tensor-parallel-size",
         "2",
+        cpu_chunks=6,
+        nvme_root=work / "nvme-tp2",
         env={"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1")},
     )
-    run["statistics"] = _statistics(stats)
-    return run
 
 
 def test_with_two_tensor_parallel_workers_the_prefix_comes_back_from_nvme(

@@ -156,6 +156,16 @@ class Engine:
         stats = self.side.statistics()
         return stats.queue_depths["nvme_writes"] == 0 and stats.tiers[1].used_chunks == chunks
 
+    def only_on_nvme(self, prefix: str, chunks: int, *, filler: int) -> None:
+        """Serve ``prefix`` (written through to nvme), then a filler prompt of ``filler`` chunks
+        (``prefix + "-filler"``) that pushes it out of cpu; each time until the writes are done
+        (a write pins its cpu chunks, and a pinned chunk cannot make room for a promotion)."""
+        start = self.side.statistics().tiers[1].used_chunks
+        self.serve(prefix, chunks, f"{prefix}-writer")
+        self.settle(lambda: self.on_nvme(start + chunks))
+        self.serve(f"{prefix}-filler", filler, f"{prefix}-filler")
+        self.settle(lambda: self.on_nvme(start + chunks + filler))
+
     def close(self) -> None:
         self.side.shutdown()
 
@@ -291,10 +301,7 @@ def test_prepare_load_of_a_chunk_that_is_not_ready_is_refused_loudly(engines: An
 def test_an_nvme_chunk_is_pending_until_promoted_then_a_hit_from_disk(engines: Any) -> None:
     # Given chunks written through to nvme, then pushed out of a small cpu tier
     engine = engines(cpu_chunks=4, nvme_chunks=32)
-    engine.serve("a", 4, "r1")
-    engine.settle(lambda: engine.on_nvme(4))
-    engine.serve("b", 4, "r2")  # evicts a's chunks from cpu
-    engine.settle(lambda: engine.on_nvme(8))  # b's write-through no longer pins its cpu chunks
+    engine.only_on_nvme("a", 4, filler=4)
     # When a request asks for a's prefix
     request = engine.side.new_request()
     keys = [offload_key("a", c) for c in range(4)]
@@ -321,10 +328,7 @@ def corrupt_nvme_slot(tmp_path: Path, slot: int) -> None:
 
 def test_a_corrupt_nvme_chunk_becomes_a_miss_never_a_load(engines: Any, tmp_path: Path) -> None:
     engine = engines(cpu_chunks=4, nvme_chunks=32)
-    engine.serve("a", 3, "r1")
-    engine.settle(lambda: engine.on_nvme(3))
-    engine.serve("b", 4, "r2")
-    engine.settle(lambda: engine.on_nvme(7))
+    engine.only_on_nvme("a", 3, filler=4)
     corrupt_nvme_slot(tmp_path, 1)  # a's second chunk
     # The request waits for the promotions, then hits only the chunk before the corrupt one
     assert engine.serve("a", 3, "r3") == 1
@@ -345,10 +349,7 @@ def test_a_promotion_past_its_deadline_is_a_miss_for_the_request(engines: Any, t
     TIERS.register("nvme", StuckNvme)
     try:
         engine = engines(cpu_chunks=4, nvme_chunks=32, deadline_s=5.0, clock=lambda: now[0])
-        engine.serve("a", 2, "r1")
-        engine.settle(lambda: engine.on_nvme(2))
-        engine.serve("b", 4, "r2")
-        engine.settle(lambda: engine.on_nvme(6))
+        engine.only_on_nvme("a", 2, filler=4)
         request = engine.side.new_request()
         keys = [offload_key("a", c) for c in range(2)]
         assert engine.scan(request, keys) == (2, True)
@@ -370,10 +371,7 @@ def test_a_promotion_that_fails_is_a_miss_for_the_request_not_a_retry_forever(en
     TIERS.register("nvme", FailingNvme)
     try:
         engine = engines(cpu_chunks=4, nvme_chunks=32)
-        engine.serve("a", 2, "r1")
-        engine.settle(lambda: engine.on_nvme(2))
-        engine.serve("b", 4, "r2")
-        engine.settle(lambda: engine.on_nvme(6))
+        engine.only_on_nvme("a", 2, filler=4)
         # The nvme copy stays (the next read may work) but this request stops waiting for it
         assert engine.serve("a", 2, "r3") == 0
         assert engine.side.statistics().tiers[1].used_chunks == 6
@@ -383,14 +381,11 @@ def test_a_promotion_that_fails_is_a_miss_for_the_request_not_a_retry_forever(en
 
 def test_a_promotion_with_no_cpu_room_is_a_miss_not_a_wait(engines: Any) -> None:
     engine = engines(cpu_chunks=2, nvme_chunks=32)
-    engine.serve("a", 2, "r1")
-    engine.settle(lambda: engine.on_nvme(2))
-    engine.serve("b", 2, "r2")
-    engine.settle(lambda: engine.on_nvme(4))
+    engine.only_on_nvme("a", 2, filler=2)
     pinner = engine.side.new_request()
-    b_keys = [offload_key("b", c) for c in range(2)]
-    engine.scan(pinner, b_keys)
-    engine.side.prepare_load(pinner, "pinner", b_keys)  # every cpu slot pinned by a load
+    filler = [offload_key("a-filler", c) for c in range(2)]
+    engine.scan(pinner, filler)
+    engine.side.prepare_load(pinner, "pinner", filler)  # every cpu slot pinned by a load
     request = engine.side.new_request()
     keys = [offload_key("a", c) for c in range(2)]
     assert engine.scan(request, keys) == (2, True)

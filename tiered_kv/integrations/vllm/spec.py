@@ -83,6 +83,10 @@ class TieredKVOffloadingSpec(OffloadingSpec):
         refs = kv_caches.group_data_refs
         page_bytes = [sum(ref.page_size_bytes for ref in group) for group in refs]
         namespace = engine_namespace(facts, page_bytes)
+        hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        if not hash_algo.startswith("sha256") and os.environ.get("PYTHONHASHSEED") is None:
+            # The key chain's seed is then random per process: no key survives a restart.
+            log.warning("vllm.no_warm_restart", hash=hash_algo, reason="set PYTHONHASHSEED or use sha256")
         bpc = self.blocks_per_chunk
         policy = config.policy_for(namespace.model_id)
         capacity = policy.cpu_bytes or config.cpu.capacity_bytes
