@@ -4,6 +4,7 @@ import pytest
 import structlog
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
+from tiered_kv.log import reset_loggers
 
 
 def make_namespace(**overrides: object) -> Namespace:
@@ -38,6 +39,8 @@ def namespace() -> Namespace:
 
 @pytest.fixture(autouse=True)
 def _restore_structlog_defaults():
-    """The CLI configures structlog globally; each test starts from the defaults."""
+    """The CLI configures structlog globally; each test starts from the defaults, and the
+    library's loggers bind again to whatever the next test configures."""
     yield
     structlog.reset_defaults()
+    reset_loggers()

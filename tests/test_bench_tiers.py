@@ -9,11 +9,13 @@ import pytest
 
 from tiered_kv.bench.probe import filesystem
 from tiered_kv.cli import main
+from tiered_kv.testing.valkey_server import missing as valkey_missing
 
 
 def test_bench_tiers_reports_each_path_against_its_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
-    args = ["bench", "tiers", "--chunk-mib", "1", "--tier-mem-mib", "4", "--tier-disk-mib", "8"]
+    args = ["bench", "tiers", "--model", "llama-1b", "--chunk-mib", "1", "--tier-mem-mib", "4", "--tier-disk-mib", "8"]
+    args += ["--tier-remote-mib", "4"]
     code = main([*args, "--tier-repeats", "1", "--io-depth", "2", "--nvme-dir", str(tmp_path), "--json", str(out)])
     assert code == 0
     table = capsys.readouterr().out
@@ -34,6 +36,7 @@ def test_bench_tiers_reports_each_path_against_its_limit(tmp_path: Path, capsys:
             ("nvme->cpu", None),
             ("cpu->gpu via manager", None),
             ("nvme->gpu via manager", None),
+            *([("cpu->remote", None), ("remote->cpu", None)] if valkey_missing() is None else []),
         ],
         key=str,
     )

@@ -1,4 +1,5 @@
-"""The ``tiered-kv`` CLI end to end at small sizes."""
+"""The ``tiered-kv`` CLI end to end at small sizes: tables, JSON, exit statuses, and no
+traceback unless ``--log-level debug`` asks for one."""
 
 from __future__ import annotations
 
@@ -9,12 +10,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import tiered_kv
 from tiered_kv.bench import SectionResult, add_bench_parser
 from tiered_kv.bench.keys import KeysSection
 from tiered_kv.bench.report import Progress
 from tiered_kv.bench.schema import validate
 from tiered_kv.cli import main
+from tiered_kv.registry import TIERS
+
+
+def tiered_kv_command(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tiered_kv", *args], capture_output=True, text=True, check=False)
 
 
 def test_bench_keys_prints_a_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -22,7 +31,7 @@ def test_bench_keys_prints_a_table_and_writes_json(tmp_path: Path, capsys: pytes
     code = main(["bench", "keys", "--key-tokens", "4096", "--key-repeats", "2", "--json", str(out)])
     assert code == 0
     stdout = capsys.readouterr().out
-    assert "keys: SHA-256 chunk keys" in stdout and "4,096" in stdout
+    assert "keys: SHA-256 chunk keys, block 16, chunk 256 tokens" in stdout and "4,096" in stdout
     document = json.loads(out.read_text())
     assert document["schema"] == 1 and document["errors"] == []
     cases = {case["input"]: case for case in document["keys"]["cases"]}
@@ -31,6 +40,10 @@ def test_bench_keys_prints_a_table_and_writes_json(tmp_path: Path, capsys: pytes
         assert case["tokens"] == 4096
         assert 0 < case["ns_per_token_best"] <= case["ns_per_token_median"]
         assert case["tokens_per_s_median"] == pytest.approx(1e9 / case["ns_per_token_median"])
+
+
+def test_bench_keys_takes_the_block_size_of_the_model() -> None:
+    assert main(["bench", "keys", "--model", "deepseek-mla", "--key-tokens", "1024", "--key-repeats", "1"]) == 0
 
 
 class BrokenSection:
@@ -44,40 +57,161 @@ class BrokenSection:
         raise RuntimeError("disk vanished")
 
 
-def test_a_failing_section_gives_a_nonzero_exit_and_the_reason(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _bench_args(sections: list[object], argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_bench_parser(parser.add_subparsers(dest="command"), sections=lambda: [BrokenSection(), KeysSection()])
+    parser.add_argument("--log-level", default="warning")
+    add_bench_parser(parser.add_subparsers(dest="command"), sections=lambda: sections)  # type: ignore[arg-type,return-value]
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("level", ["warning", "debug"])
+def test_a_failing_section_gives_a_nonzero_exit_and_the_reason_and_a_traceback_only_in_debug(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], level: str
+) -> None:
     out = tmp_path / "bench.json"
-    args = parser.parse_args(["bench", "--key-tokens", "256", "--key-repeats", "1", "--json", str(out)])
+    argv = ["--log-level", level, "bench", "--key-tokens", "256", "--key-repeats", "1", "--json", str(out)]
+    args = _bench_args([BrokenSection(), KeysSection()], argv)
     assert args.handler(args) == 1
-    captured = capsys.readouterr()
-    assert "bench section 'broken' failed: RuntimeError: disk vanished" in captured.err
+    err = capsys.readouterr().err
+    assert "bench section 'broken' failed: RuntimeError: disk vanished" in err
+    assert ("Traceback (most recent call last)" in err) == (level == "debug")
     document = json.loads(out.read_text())
     assert document["errors"] == [{"section": "broken", "error": "RuntimeError: disk vanished"}]
     assert "keys" in document  # the other sections still report
 
 
-def test_console_script_runs(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "tiered_kv.cli", "bench", "keys", "--key-tokens", "512", "--key-repeats", "1"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+def test_python_m_tiered_kv_runs_the_command_and_says_its_version() -> None:
+    result = tiered_kv_command("bench", "keys", "--key-tokens", "512", "--key-repeats", "1")
     assert result.returncode == 0, result.stderr
     assert "ns/token" in result.stdout
+    version = tiered_kv_command("--version")
+    assert (version.returncode, version.stdout) == (0, f"tiered-kv {tiered_kv.__version__}\n")
+    assert tiered_kv.__version__ != "0+unknown"  # the installed distribution's version
 
 
-def test_unknown_section_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as caught:
-        main(["bench", "nope"])
-    assert caught.value.code == 2
-    assert "invalid choice: 'nope'" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "tiers", "--nvme-dir", "/nonexistent"], "argument --nvme-dir: /nonexistent does not exist"),
+        (["bench", "workload", "--chunk-tokens", "128"], "unrecognized arguments: --chunk-tokens 128"),
+        (["bench", "nope"], "invalid choice: 'nope'"),
+        (["bench", "policies", "--model", "llama-8b"], "--model is an option of tiers, workload, overhead, keys"),
+        (["bench", "keys", "--tier-repeats", "2"], "--tier-repeats is an option of tiers, which this run"),
+        (["bench", "keys", "--layers", "4"], "--layers describe --model custom; llama-8b has its own shape"),
+        (["bench", "keys", "--model", "custom", "--layers", "4"], "--model custom needs --kv-heads, --head-dim"),
+        (
+            [
+                "bench",
+                "keys",
+                "--model",
+                "custom",
+                "--layers",
+                "2",
+                "--kv-heads",
+                "1",
+                "--head-dim",
+                "8",
+                "--window",
+                "8",
+            ],
+            "--window and --window-layers go together",
+        ),
+        (["bench", "workload", "--block-size", "48"], "chunk_size 256 is not a multiple of block_size 48"),
+        (  # before any section runs
+            ["bench", "policies", "keys", "--model", "custom", "--layers", "4", "--policy-trace-scale", "0.01"],
+            "--model custom needs --kv-heads, --head-dim",
+        ),
+        (["inspect"], "the following arguments are required: DIR"),
+        (["config", "check"], "the following arguments are required: FILE"),
+    ],
+)
+def test_a_usage_error_is_one_line_and_exit_status_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own checks exit from inside parse_args
+        code = exc.code  # type: ignore[assignment]
+    assert code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err
+    assert len(captured.err.splitlines()) == 1, captured.err
+
+
+def test_the_issues_usage_errors_print_no_traceback_from_the_console_command() -> None:
+    for argv in (["bench", "tiers", "--nvme-dir", "/nonexistent"], ["bench", "workload", "--chunk-tokens", "128"]):
+        result = tiered_kv_command(*argv)
+        assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+
+
+class _FailingInspector:
+    @staticmethod
+    def inspect(root: object, *, verify: bool = False) -> object:
+        raise RuntimeError("the disk went away")
+
+
+@pytest.mark.parametrize("level", ["warning", "debug"])
+def test_a_runtime_failure_is_exit_status_1_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], level: str
+) -> None:
+    TIERS.register("nvme", _FailingInspector)
+    try:
+        code = main(["--log-level", level, "inspect", str(tmp_path)])
+    finally:
+        TIERS.unregister("nvme")
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "tiered-kv inspect: error: RuntimeError: the disk went away" in err
+    assert ("Traceback (most recent call last)" in err) == (level == "debug")
+    if level != "debug":
+        assert err.count("\n") == 1 and "--log-level debug shows the traceback" in err
+
+
+class _Recorder:
+    """A bench section that records that it ran; ``model``: it reads the model options."""
+
+    def __init__(self, name: str, model: str | None) -> None:
+        self.name, self.summary, self.ran = name, name, False
+        if model is not None:
+            self.model = model
+
+    def add_arguments(self, parser: argparse._ArgumentGroup) -> None:
+        parser.add_argument(f"--{self.name}-size", type=int, default=1)
+
+    def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
+        self.ran = True
+        return SectionResult(payload={}, tables=[])
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    readers=st.lists(st.booleans(), min_size=3, max_size=3),
+    chosen=st.lists(st.sampled_from(["a", "b", "c"]), unique=True, max_size=3),
+    options=st.lists(st.sampled_from(["--a-size", "--b-size", "--c-size", "--model", "--dtype"]), unique=True),
+)
+def test_an_option_is_accepted_exactly_when_a_chosen_section_reads_it(
+    capsys: pytest.CaptureFixture[str], readers: list[bool], chosen: list[str], options: list[str]
+) -> None:
+    sections = [_Recorder(name, "llama-1b" if reads else None) for name, reads in zip("abc", readers, strict=True)]
+    values = {"--model": "llama-8b", "--dtype": "float16"}
+    argv = ["bench", *chosen] + [part for option in options for part in (option, values.get(option, "2"))]
+    runs = chosen or ["a", "b", "c"]
+    model_readers = {s.name for s in sections if hasattr(s, "model")}
+    fits = all(
+        (option[2] in runs) if option.endswith("-size") else bool(model_readers & set(runs)) for option in options
+    )
+    args = _bench_args(sections, argv)
+    try:
+        code = args.handler(args)
+    except SystemExit as exc:
+        code = exc.code  # type: ignore[assignment]
+    capsys.readouterr()
+    assert (code == 0) == fits and (code == 2) == (not fits)
+    assert [s.name for s in sections if s.ran] == (sorted(runs) if fits else [])
 
 
 SMALL = [
+    "--model", "llama-1b",
     "--chunk-mib", "1",
     "--tier-mem-mib", "4",
     "--tier-disk-mib", "4",
@@ -94,6 +228,7 @@ SMALL = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_bare_bench_runs_every_section_and_its_json_matches_the_schema(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -119,6 +254,20 @@ def test_bare_bench_runs_every_section_and_its_json_matches_the_schema(
         assert title in stdout
 
 
+def test_bench_overhead_reports_the_control_plane_and_a_filtered_events_cost(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "overhead", "--overhead-requests", "20", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "filtered debug event, logging unconfigured" in table and "structlog's lazy proxy" in table
+    overhead = validate(out.read_bytes()).overhead
+    assert overhead is not None and overhead.requests == 20
+    figures = [overhead.store_us_per_chunk, overhead.load_us_per_chunk, overhead.lookup_keys_per_s]
+    figures += [overhead.log_event_us_unconfigured, overhead.log_event_us_cached, overhead.log_event_us_bound]
+    assert all(figure > 0 for figure in [*figures, overhead.log_event_us_proxy])
+
+
 def test_plot_draws_a_png_of_the_tiers_and_workload(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "bench.png"
@@ -133,12 +282,40 @@ def test_plot_of_sections_it_cannot_draw_is_a_failed_step(tmp_path: Path) -> Non
     assert json.loads(out.read_text())["errors"][0]["section"] == "plot"
 
 
-@pytest.mark.parametrize("model", ["gemma-swa", "deepseek-mla"])
-def test_workload_replays_hybrid_and_mla_presets(tmp_path: Path, model: str) -> None:
+#: A hybrid model like gemma-swa (full attention beside a 1024-token window), small enough
+#: for a quick test: 12 KiB chunks instead of the preset's 130 MB.
+SMALL_HYBRID = ["--model", "custom", "--layers", "1", "--kv-heads", "1", "--head-dim", "8"]
+SMALL_HYBRID += ["--window", "1024", "--window-layers", "2"]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(SMALL_HYBRID, id="hybrid"),
+        pytest.param(["--model", "deepseek-mla"], id="mla", marks=pytest.mark.slow),  # 18 MB chunks
+    ],
+)
+def test_workload_replays_hybrid_and_mla_models(tmp_path: Path, model: list[str]) -> None:
     out = tmp_path / "bench.json"
-    args = ["bench", "workload", "--model", model, "--workload-requests", "4", "--nvme-dir", str(tmp_path)]
+    args = ["bench", "workload", *model, "--workload-requests", "4", "--nvme-dir", str(tmp_path)]
     assert main([*args, "--json", str(out)]) == 0
     document = validate(out.read_bytes())
     assert document.workload is not None and document.workload.model != "meta-llama/Llama-3.2-1B"
     for trace in document.workload.traces:
         assert 0 <= trace.hit_rate_cpu + trace.hit_rate_nvme <= 1
+        assert trace.chunks_looked_up > 0 and trace.tokens_from_cache > 0
+
+
+def test_commands_that_do_not_move_kv_bytes_never_load_torch(tmp_path: Path) -> None:
+    config = Path(__file__).resolve().parent.parent / "examples" / "tiered-kv.toml"
+    code = (
+        "import sys\n"
+        "import tiered_kv, tiered_kv.keys, tiered_kv.config, tiered_kv.namespace\n"
+        "from tiered_kv.cli import main\n"
+        f"assert main(['inspect', {str(tmp_path)!r}]) == 2\n"
+        f"assert main(['config', 'check', {str(config)!r}]) == 0\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "False"

@@ -285,7 +285,7 @@ def test_a_directory_without_a_store_is_a_usage_error(
     assert main(["inspect", str(target), "--verify"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    expected = "holds no tiered-kv store" if make == "empty" else "is not a directory"
+    expected = {"missing": "does not exist", "empty": "holds no tiered-kv store", "a file": "is not a directory"}[make]
     assert captured.err.strip() == f"tiered-kv inspect: {target} {expected}"
 
 

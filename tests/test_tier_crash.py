@@ -83,7 +83,8 @@ async def opened(log_path: Path, seed: int) -> None:
 
 async def kill_and_reopen(tmp_path: Path, kills: int) -> None:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["tiered_kv.tiers.nvme", __name__])
+    # torch first: the driver's module no longer imports it, and every writer needs it.
+    context.set_forkserver_preload(["torch", "tiered_kv.tiers.nvme", __name__])
     root, log_path = tmp_path / "store", tmp_path / "writes.log"
     rng = random.Random(20261130)
     checked = 0

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiered_kv.tiers.gpu import GpuTier, _stretches
+from tiered_kv.tiers import gpu
+from tiered_kv.tiers.gpu import GpuTier, _runs, _stretches
 from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 from tiered_kv.errors import TierIOError
@@ -175,19 +176,27 @@ def test_tensors_laid_out_alike_in_one_allocation_share_one_copy_per_run(layout:
     assert tier.num_slots == BLOCKS
 
 
+@pytest.mark.parametrize("gather_below", [0, 1 << 40], ids=["copy per run", "gather"])
 @pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=lambda f: f.__name__)
-async def test_chunks_in_consecutive_slots_and_blocks_move_as_one_copy_and_stay_exact(layout: Layout) -> None:
-    """Ops whose buffers follow each other in one slab and whose blocks run on are served by
-    one strided copy per tensor group; a break in either starts a new one. Bytes are the
-    same as chunk by chunk, both ways."""
+async def test_chunks_in_consecutive_slots_move_as_one_stretch_and_stay_exact(
+    layout: Layout, gather_below: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ops alike whose buffers lie at equal steps in one slab are one stretch, whatever
+    their blocks; its blocks move as a strided copy per run of consecutive blocks or as one
+    gather/scatter per tensor group. Bytes are the same as chunk by chunk, both ways, and
+    either way."""
+    monkeypatch.setattr(gpu, "GATHER_BELOW_BYTES", gather_below)
     tensors, block_dim = layout(torch.bfloat16, "cpu")
     tier = GpuTier(tensors, blocks_per_chunk=BPC, block_dim=block_dim)
     slab = PinnedCpuTier(tier.chunk_bytes, CHUNKS)
     runs = [(0, 1, 2), (0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (16, 17, 18, 19), (12, 13, 14, 15)]
     ops = [TransferOp(buffer=slab.view(j), blocks=blocks) for j, blocks in zip([0, 1, 2, 3, 4], runs[1:], strict=True)]
-    assert [m for _, m, _ in _stretches(ops, tier.chunk_bytes)] == [3, 1, 1]  # blocks 16.. break the run
-    assert [m for _, m, _ in _stretches([ops[0], ops[2]], tier.chunk_bytes)] == [1, 1]  # slots 0 and 2: not adjacent
-    assert [m for _, m, _ in _stretches([TransferOp(buffer=slab.view(0), blocks=runs[0])], tier.chunk_bytes)] == [1]
+    (stretch,) = _stretches(ops, tier.chunk_bytes)
+    assert stretch.size == 5 and stretch.stride == slab.slot_stride
+    assert len(_runs(stretch.blocks, 0)) == 3  # blocks 0..11, then 16..19, then 12..15
+    ((_, m, stride, _),) = _stretches([ops[0], ops[2]], tier.chunk_bytes)  # slots 0 and 2: still equal steps
+    assert (m, stride) == (2, 2 * slab.slot_stride)
+    assert [s.size for s in _stretches([ops[0], TransferOp(buffer=slab.view(1), blocks=runs[0])], 0)] == [1, 1]
     await tier.read(ops)
     for op in ops:
         assert torch.equal(op.buffer, reference_chunk(tensors, block_dim, op.blocks))

@@ -14,9 +14,9 @@ after it recomputed, still the same tokens. vLLM's cached-tokens-by-source count
 tier served the prefix (`host`, `disk`), tiered-kv's statistics file (written by the engine-core
 process) says the same from the other side.
 
-The engine runs in its own interpreter (tests/vllm_engine_run.py, one fresh process tree per
-run); these tests are marked `vllm` and run in the engine's venv (scripts/test does so when
-`scripts/lib/vllm-env.sh` has built it), and skip saying why when no engine is installed.
+Each engine run is a fresh process tree (tests/vllm_engine_run.py) of this interpreter. The tests
+are marked `vllm` and run in the engine's venv (scripts/test does so when
+`scripts/lib/vllm-env.sh` has built it); elsewhere they skip, saying why.
 """
 
 from __future__ import annotations
@@ -35,23 +35,11 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
 
-def _engine_python() -> str | None:
-    """The interpreter that has vLLM: $TIERED_KV_VLLM_PYTHON, the built engine venv, or this one."""
-    if explicit := os.environ.get("TIERED_KV_VLLM_PYTHON"):
-        return explicit
-    venv = Path(os.environ.get("TIERED_KV_VLLM_VENV", ROOT / ".venv-vllm"))
-    if (venv / ".engine-stamp").exists() and (venv / "bin" / "python").exists():
-        return str(venv / "bin" / "python")
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    return None
-
-
-ENGINE_PYTHON = _engine_python()
+#: The engine runs in this interpreter's venv (a child process of its own per run).
+ENGINE_PYTHON = sys.executable if importlib.util.find_spec("vllm") is not None else None
 #: One engine process tree takes 20-40 s on a loaded 2-core machine; far more means it hangs.
 RUN_TIMEOUT_S = 600
 BLOCK = 32
@@ -65,7 +53,8 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         ENGINE_PYTHON is None,
-        reason="no vLLM engine installed: build it with scripts/lib/vllm-env.sh (or set TIERED_KV_VLLM_PYTHON)",
+        reason="no vLLM in this interpreter: scripts/test runs these tests in the engine venv that "
+        "scripts/lib/vllm-env.sh builds",
     ),
 ]
 

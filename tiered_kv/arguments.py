@@ -34,6 +34,8 @@ def require_request_id(value: object) -> str:
 def per_group(value: object, groups: int, what: str, error: type[TieredKVError]) -> Sequence[Sequence[Any]]:
     """``value`` as one sequence per KV group: ``groups`` sequences (none of them a string
     or bytes, which are sequences too)."""
+    if type(value) is list and len(value) == groups and all(type(item) is list for item in value):
+        return value  # the common case, without the cost of the ABC checks below
     if not _is_sequence(value):
         raise error(f"{what} must be one list per KV group ({groups}), got {type(value).__name__}")
     if len(value) != groups or not all(_is_sequence(item) for item in value):
@@ -50,6 +52,8 @@ def require_keys(keys: Sequence[Any]) -> None:
 
 def require_block_ids(table: Iterable[Any]) -> list[int]:
     """The block ids as ``int``s (numpy and torch integers too; never ``bool``)."""
+    if type(table) is list and all(type(block) is int for block in table):
+        return table
     try:
         ids = [operator.index(block) for block in table]
     except TypeError:
@@ -60,11 +64,11 @@ def require_block_ids(table: Iterable[Any]) -> list[int]:
     return ids
 
 
-def blocks_in_range(blocks: Iterable[int], num_blocks: int) -> None:
+def blocks_in_range(blocks: Sequence[int], num_blocks: int) -> None:
     """Refuse block ids the registered KV cache does not have."""
-    for block in blocks:
-        if not 0 <= block < num_blocks:
-            raise BlockTableError(f"GPU block {block} is outside the registered KV cache's {num_blocks} blocks")
+    if blocks and (min(blocks) < 0 or max(blocks) >= num_blocks):
+        bad = next(block for block in blocks if not 0 <= block < num_blocks)
+        raise BlockTableError(f"GPU block {bad} is outside the registered KV cache's {num_blocks} blocks")
 
 
 def _is_sequence(value: object) -> TypeGuard[Sequence[Any]]:

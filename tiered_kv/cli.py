@@ -1,7 +1,9 @@
-"""The ``tiered-kv`` command line: ``tiered-kv bench [SECTION ...]``, ``tiered-kv inspect DIR``.
+"""The ``tiered-kv`` command line: ``bench``, ``inspect``, ``config check``.
 
-The CLI is the one place that configures structlog (console or JSON lines); the library
-only emits events.
+The CLI is the one place that configures structlog (console or JSON lines on stderr);
+the library only emits events. No command shows a traceback unless ``--log-level debug``
+asks for it: a usage error is one line and exit status 2, a failure one line with its
+reason and exit status 1 (:mod:`tiered_kv.cli_errors`).
 """
 
 from __future__ import annotations
@@ -9,12 +11,21 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 import structlog
 
+from tiered_kv import __version__
 from tiered_kv.bench import add_bench_parser
+from tiered_kv.cli_errors import EXIT_FAILED, EXIT_USAGE, UsageError
+from tiered_kv.config_check import add_config_parser
+from tiered_kv.errors import TieredKVError
 from tiered_kv.inspect_command import add_inspect_parser
+
+#: Exit status after Ctrl-C, as a shell reports a command killed by SIGINT.
+EXIT_INTERRUPTED = 130
 
 
 def configure_logging(fmt: str, level: str) -> None:
@@ -30,24 +41,64 @@ def configure_logging(fmt: str, level: str) -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=True,
     )
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (argparse's own prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tiered-kv", description="Tiered KV-cache offloading for LLM inference")
+    parser = Parser(prog="tiered-kv", description="Tiered KV-cache offloading for LLM inference")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--log-format", choices=["console", "json"], default="console")
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
+    parser.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="warning",
+        help="events shown on stderr (default warning); debug also shows a failure's traceback",
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_bench_parser(subparsers)
     add_inspect_parser(subparsers)
+    add_config_parser(subparsers)
     return parser
 
 
+def describe(exc: BaseException) -> str:
+    """A failure in one line: tiered-kv's and the OS's errors say what they are; others
+    are named by their type."""
+    if isinstance(exc, TieredKVError | OSError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    prog = f"tiered-kv {args.command}"
+    if unknown:  # named by the command they were given to, whose --help lists its options
+        print(f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (see {prog} --help)", file=sys.stderr)
+        return EXIT_USAGE
     configure_logging(args.log_format, args.log_level)
-    code: int = args.handler(args)
+    try:
+        code: int = args.handler(args)
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if args.log_level == "debug":
+            traceback.print_exc(file=sys.stderr)
+            print(f"{prog}: error: {describe(exc)}", file=sys.stderr)
+        else:
+            print(f"{prog}: error: {describe(exc)} (--log-level debug shows the traceback)", file=sys.stderr)
+        return EXIT_FAILED
     return code
 
 

@@ -7,11 +7,13 @@ default.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import re
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiofiles
 import msgspec
 
 from tiered_kv.checks import is_int_at_least
@@ -63,6 +65,74 @@ class NvmeTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         _require_positive("io_depth", self.io_depth)
 
 
+class RemoteTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A Valkey/Redis deployment shared by engines: one server (``url``) or a cluster.
+
+    The configuration holds no secret: the password comes from the environment variable
+    ``password_env`` or the file ``password_file``, read when the tier opens.
+    """
+
+    #: ``redis://host:port`` (or ``rediss://`` for TLS) of one server.
+    url: str | None = None
+    #: ``host:port`` of some nodes of a cluster; the rest of the cluster is discovered.
+    cluster_nodes: list[str] = msgspec.field(default_factory=list)
+    #: Every key lies under ``<prefix>:``, followed by the namespace fingerprint.
+    prefix: str = "tkv"
+    #: Connections per node, and I/Os in flight.
+    io_depth: int = 8
+    #: Limit on each socket operation; a server slower than that is a miss.
+    timeout_s: float = 2.0
+    connect_timeout_s: float = 1.0
+    #: After a failed connect, the node is not tried again for this long (doubling up to
+    #: ``backoff_max_s``); its chunks are misses meanwhile.
+    backoff_s: float = 0.1
+    backoff_max_s: float = 5.0
+    #: TLS with the system's certificate authorities, or ``tls_ca_file``'s.
+    tls: bool = False
+    tls_ca_file: str | None = None
+    username: str | None = None
+    password_env: str | None = None
+    password_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.url is None) == (not self.cluster_nodes):
+            raise ConfigError("give either url or cluster_nodes", field="url")
+        if self.url is not None:
+            if "@" in self.url:  # checked first: the other messages repeat the URL
+                raise ConfigError(
+                    "must hold no credentials: use username and password_env or password_file", field="url"
+                )
+            scheme, sep, rest = self.url.partition("://")
+            if not sep or scheme not in ("redis", "rediss") or not rest or "/" in rest:
+                raise ConfigError(f"expected redis://host:port or rediss://host:port, got {self.url!r}", field="url")
+        for node in self.cluster_nodes:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"expected host:port, got {node!r}", field="cluster_nodes")
+        if not self.prefix or any(c in self.prefix for c in " \r\n"):
+            raise ConfigError("must be non-empty, without spaces or line breaks", field="prefix")
+        _require_positive("io_depth", self.io_depth)
+        for name in ("timeout_s", "connect_timeout_s", "backoff_s", "backoff_max_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"must be a positive number of seconds, got {value!r}", field=name)
+        if self.password_env is not None and self.password_file is not None:
+            raise ConfigError("give password_env or password_file, not both", field="password_env")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or (self.url or "").startswith("rediss://")
+
+    def addresses(self) -> list[tuple[str, int]]:
+        """``(host, port)`` of the server, or of the cluster nodes given."""
+        if self.url is not None:
+            hostport = self.url.partition("://")[2]
+            host, sep, port = hostport.rpartition(":")
+            return [(host.strip("[]"), int(port))] if sep and port.isdigit() else [(hostport.strip("[]"), 6379)]
+        nodes = (node.rpartition(":") for node in self.cluster_nodes)
+        return [(host.strip("[]"), int(port)) for host, _, port in nodes]
+
+
 class NamespacePolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a model's chunks are kept: eviction policy, quotas, write policy, tier budgets.
 
@@ -109,6 +179,7 @@ class TieredKVConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     cpu: CpuTierConfig
     nvme: NvmeTierConfig | None = None
+    remote: RemoteTierConfig | None = None
     default_policy: NamespacePolicyConfig = msgspec.field(default_factory=NamespacePolicyConfig)
     #: Per-namespace overrides, keyed by model id.
     namespaces: dict[str, NamespacePolicyConfig] = msgspec.field(default_factory=dict)
@@ -144,14 +215,41 @@ def _field_path(exc: msgspec.ValidationError) -> tuple[str, str | None]:
 
 def load_config(path: str | Path, type: type[T] = TieredKVConfig) -> T:  # type: ignore[assignment]
     """Load ``type`` from a ``.toml`` or ``.json`` file, naming the bad field on error."""
-    source = str(path)
-    suffix = Path(path).suffix.lower()
-    if suffix not in (".toml", ".json"):
-        raise ConfigError(f"unsupported config format {suffix!r}; use .toml or .json", source=source)
+    suffix = _suffix(path)
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", source=source) from exc
+        raise ConfigError(f"cannot read: {exc.strerror}", source=str(path)) from exc
+    config = _decode(data, suffix, str(path), type)
+    if isinstance(config, TieredKVConfig):
+        _check_plugin_names(config, str(path))
+    return config
+
+
+async def load_config_async(path: str | Path, type: type[T] = TieredKVConfig) -> T:  # type: ignore[assignment]
+    """:func:`load_config` for a server's event loop: nothing that reads files runs on it, so
+    a slow or network filesystem never holds the loop."""
+    suffix = _suffix(path)
+    try:
+        async with aiofiles.open(path, "rb") as file:
+            data = await file.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", source=str(path)) from exc
+    config = _decode(data, suffix, str(path), type)
+    if isinstance(config, TieredKVConfig):
+        # The registries read the installed distributions' entry points: files too.
+        await asyncio.to_thread(_check_plugin_names, config, str(path))
+    return config
+
+
+def _suffix(path: str | Path) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise ConfigError(f"unsupported config format {suffix!r}; use .toml or .json", source=str(path))
+    return suffix
+
+
+def _decode(data: bytes, suffix: str, source: str, type: type[T]) -> T:
     decode = msgspec.toml.decode if suffix == ".toml" else msgspec.json.decode
     try:
         config = decode(data, type=type)
@@ -160,8 +258,6 @@ def load_config(path: str | Path, type: type[T] = TieredKVConfig) -> T:  # type:
         raise ConfigError(message, field=field, source=source) from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"not valid {suffix[1:].upper()}: {exc}", source=source) from exc
-    if isinstance(config, TieredKVConfig):
-        _check_plugin_names(config, source)
     return config
 
 

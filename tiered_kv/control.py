@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from tiered_kv.arguments import require_namespace
 from tiered_kv.config import NamespacePolicyConfig, WritePolicy
-from tiered_kv.directory import LeaseEpoch, Reservation, TierIndex, Victim
+from tiered_kv.directory import PENDING, READY, LeaseEpoch, Reservation, TierIndex, Victim
 from tiered_kv.errors import BlockTableError, ChunkKeyError, ConfigError, NamespaceError
 from tiered_kv.interfaces import AdmissionFilter
 from tiered_kv.keys import ChunkKey
@@ -89,12 +89,29 @@ class Pool:
 
     def state(self, key: ChunkKey, namespace: str) -> ChunkState:
         """Where ``namespace`` can read ``key`` from now."""
-        entry = self.cpu.get(key)
-        if entry is not None and entry.namespace == namespace:
-            return ChunkState.CPU_READY if self.cpu.is_ready(key) else ChunkState.CPU_PENDING
+        in_cpu = self.cpu.state_for(key, namespace)
+        if in_cpu == READY:
+            return ChunkState.CPU_READY
+        if in_cpu == PENDING:
+            return ChunkState.CPU_PENDING
         if self.nvme is not None and self.nvme.ready_for(key, namespace):
             return ChunkState.NVME_READY
         return ChunkState.ABSENT
+
+    def ready_prefix(self, keys: Sequence[ChunkKey], namespace: str, n: int) -> tuple[int, int]:
+        """How many of ``keys[:n]`` are ready for ``namespace`` in some tier, from the
+        first, and how many of those only nvme holds (the lookup hot path)."""
+        in_cpu = self.cpu.ready_for
+        in_nvme = self.nvme.ready_for if self.nvme is not None else None
+        from_nvme = 0
+        for i in range(n):
+            key = keys[i]
+            if in_cpu(key, namespace):
+                continue
+            if in_nvme is None or not in_nvme(key, namespace):
+                return i, from_nvme
+            from_nvme += 1
+        return n, from_nvme
 
     def ready_anywhere(self, key: ChunkKey, namespace: str) -> bool:
         return self.cpu.ready_for(key, namespace) or (self.nvme is not None and self.nvme.ready_for(key, namespace))
@@ -192,7 +209,8 @@ class ControlPlane:
             cpu = TierIndex("cpu", TierPartition("cpu", cpu_slots, clock=self._clock), self._epoch)
             nvme = None
             if nvme_slots:
-                nvme = TierIndex("nvme", TierPartition("nvme", nvme_slots, clock=self._clock), self._epoch)
+                # Leases and hit counts serve the cpu tier (loads pin there; selective writes).
+                nvme = TierIndex("nvme", TierPartition("nvme", nvme_slots, clock=self._clock), count_hits=False)
             admission = None
             if policy.admission is not None:
                 # It remembers a few times more chunks than the tiers hold: a chunk worth
@@ -269,31 +287,36 @@ class ControlPlane:
         chunks its window at ``n`` chunks overlaps. The caller checked ``keys``' shape."""
         pools = self.pools_of(namespace)
         owner = namespace.fingerprint_hex
-        asked = n = min(len(group_keys) for group_keys in keys)
-        windowed = []
-        #: Positions some full-attention group holds only in nvme.
-        from_nvme: set[int] = set()
         try:
-            for pool, group_keys in zip(pools, keys, strict=True):
-                if pool.kind is AttentionKind.SLIDING_WINDOW:
-                    windowed.append((pool, group_keys))
-                    continue
-                in_cpu = pool.cpu.ready_for
-                in_nvme = pool.nvme.ready_for if pool.nvme is not None else None
-                for i in range(n):
-                    key = group_keys[i]
-                    if in_cpu(key, owner):
-                        continue
-                    if in_nvme is None or not in_nvme(key, owner):
-                        n = i
-                        break
-                    from_nvme.add(i)
-            while n and not all(self._window_ready(pool, group_keys, n, owner) for pool, group_keys in windowed):
-                n -= 1
+            if len(pools) == 1 and pools[0].kind is not AttentionKind.SLIDING_WINDOW:
+                asked = len(keys[0])
+                n, from_nvme = pools[0].ready_prefix(keys[0], owner, asked)
+            else:
+                asked, n, from_nvme = self._lookup_groups(pools, keys, owner)
         except TypeError as exc:  # an unhashable "key"
             raise ChunkKeyError(f"a chunk key must be bytes: {exc}") from None
-        self.telemetry.looked_up(asked, n, sum(1 for i in from_nvme if i < n) if from_nvme else 0)
+        telemetry = self.telemetry
+        telemetry.hit_cpu += n - from_nvme
+        telemetry.hit_nvme += from_nvme
+        telemetry.missed += asked - n
         return n
+
+    def _lookup_groups(self, pools: list[Pool], keys: Sequence[Sequence[ChunkKey]], owner: str) -> tuple[int, int, int]:
+        """:meth:`lookup` over several KV groups: chunk positions asked, found, and how
+        many of those some full-attention group holds only in nvme."""
+        asked = n = min(len(group_keys) for group_keys in keys)
+        windowed = []
+        nvme_at: set[int] = set()
+        for pool, group_keys in zip(pools, keys, strict=True):
+            if pool.kind is AttentionKind.SLIDING_WINDOW:
+                windowed.append((pool, group_keys))
+                continue
+            n, _ = pool.ready_prefix(group_keys, owner, n)
+            if pool.nvme is not None:
+                nvme_at.update(i for i in range(n) if not pool.cpu.ready_for(group_keys[i], owner))
+        while n and not all(self._window_ready(pool, group_keys, n, owner) for pool, group_keys in windowed):
+            n -= 1
+        return asked, n, sum(1 for i in nvme_at if i < n)
 
     @staticmethod
     def _window_ready(pool: Pool, keys: Sequence[ChunkKey], n_chunks: int, owner: str) -> bool:
@@ -510,9 +533,8 @@ class ControlPlane:
             self.telemetry.emit(KVEventKind.STORED, "cpu", promotion.namespace, pool.group, key)
             return []
         pool.cpu.drop(key)
-        entry = pool.nvme.get(key)
-        if outcome is PromotionOutcome.CORRUPT and entry is not None and not entry.pins:
-            self.telemetry.emit(KVEventKind.REMOVED, "nvme", entry.namespace, pool.group, key)
+        if outcome is PromotionOutcome.CORRUPT and key in pool.nvme and not pool.nvme.pins(key):
+            self.telemetry.emit(KVEventKind.REMOVED, "nvme", pool.nvme.namespace(key), pool.group, key)
             return [pool.nvme.drop(key)]
         return []
 

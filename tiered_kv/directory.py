@@ -12,7 +12,7 @@ and, optionally, a quota of chunks another namespace's traffic cannot take.
 
 from __future__ import annotations
 
-import enum
+import array
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -21,34 +21,10 @@ from tiered_kv.keys import ChunkKey
 from tiered_kv.partition import TierPartition
 from tiered_kv.slots import SlotAllocator
 
-
-class State(enum.Enum):
-    PENDING = "pending"
-    READY = "ready"
-
-
-class Residency:
-    """Where one chunk lives in one tier, the namespace it belongs to (the only one that
-    may read it), and which namespace's share it counts in (the same one, unless that
-    namespace had no share of its own: see ``TieredKV``'s ``max_tenants``)."""
-
-    __slots__ = ("hits", "lease", "namespace", "owner", "pins", "slot", "state")
-
-    def __init__(self, slot: int, owner: str, namespace: str) -> None:
-        self.slot = slot
-        self.owner = owner
-        self.namespace = namespace
-        self.state = State.PENDING
-        self.pins = 0
-        self.hits = 0
-        #: The lease epoch in which the chunk was last leased (see :class:`LeaseEpoch`).
-        self.lease = -1
-
-    def __repr__(self) -> str:
-        return (
-            f"Residency(slot={self.slot}, owner={self.owner[:8]}, state={self.state.value}, "
-            f"pins={self.pins}, hits={self.hits})"
-        )
+#: A slot's state: no chunk, bytes moving into it, or a chunk that can be read.
+FREE, PENDING, READY = 0, 1, 2
+#: The most pins or hits a slot counts (pins are bounded by the loads in flight).
+_MAX_COUNT = 0xFFFF
 
 
 class LeaseEpoch:
@@ -84,13 +60,34 @@ class Reservation:
 
 class TierIndex:
     """Keys resident in one tier: slots, owners, PENDING/READY state, pins, and the
-    per-namespace eviction order and quotas of the tier's partition."""
+    per-namespace eviction order and quotas of the tier's partition.
 
-    def __init__(self, tier: str, partition: TierPartition, epoch: LeaseEpoch | None = None) -> None:
+    Per resident chunk it keeps one dict entry (key → slot) and a few bytes in arrays
+    indexed by slot, not an object: a tier of a million chunks costs tens of MB of index,
+    not hundreds (``tiered-kv bench scale`` measures it).
+    """
+
+    def __init__(
+        self, tier: str, partition: TierPartition, epoch: LeaseEpoch | None = None, *, count_hits: bool = True
+    ) -> None:
+        """``epoch``: leases are counted against it (``None``: this tier takes no leases);
+        ``count_hits``: keep each chunk's hit count (``False``: :meth:`hit` only tells the
+        policy, and returns 0)."""
         self.tier = tier
-        self._epoch = epoch if epoch is not None else LeaseEpoch()
+        self._epoch = epoch
         self._allocator = SlotAllocator(partition.capacity)
-        self._entries: dict[ChunkKey, Residency] = {}
+        n = partition.capacity
+        self._slots: dict[ChunkKey, int] = {}
+        self._state = bytearray(n)
+        self._pins = array.array("H", bytes(2 * n))
+        self._hits = array.array("H", bytes(2 * n)) if count_hits else None
+        #: The lease epoch in which each slot's chunk was last leased (-1: never).
+        self._lease = array.array("i", [-1]) * n if epoch is not None else None
+        #: The namespace each slot's chunk belongs to (the only one that may read it) …
+        self._namespace: list[str | None] = [None] * n
+        #: … and, where it is not the same, the share it counts in (a tenant past
+        #: ``max_tenants`` counts in the model's share).
+        self._other_owner: dict[int, str] = {}
         self._partition = partition
         self._pinned = 0
 
@@ -112,32 +109,50 @@ class TierIndex:
         """Chunks with at least one pin."""
         return self._pinned
 
-    def get(self, key: ChunkKey) -> Residency | None:
-        return self._entries.get(key)
+    def slot(self, key: ChunkKey) -> int:
+        """The slot of resident ``key``."""
+        return self._require(key)
 
     def owner(self, key: ChunkKey) -> str:
         """The namespace whose share ``key`` counts in."""
-        return self._require(key).owner
+        return self._owner_of(self._require(key))
+
+    def _owner_of(self, slot: int) -> str:
+        owner = self._other_owner.get(slot, self._namespace[slot])
+        assert owner is not None
+        return owner
+
+    def namespace(self, key: ChunkKey) -> str:
+        """The namespace ``key`` belongs to."""
+        namespace = self._namespace[self._require(key)]
+        assert namespace is not None
+        return namespace
+
+    def pins(self, key: ChunkKey) -> int:
+        return self._pins[self._require(key)]
 
     def is_ready(self, key: ChunkKey) -> bool:
-        entry = self._entries.get(key)
-        return entry is not None and entry.state is State.READY
+        slot = self._slots.get(key)
+        return slot is not None and self._state[slot] == READY
 
     def ready_for(self, key: ChunkKey, namespace: str) -> bool:
         """Whether ``key`` is READY and belongs to ``namespace``: a tenant handed another
         tenant's keys gets a miss, never its bytes."""
-        entry = self._entries.get(key)
-        return entry is not None and entry.state is State.READY and entry.namespace == namespace
+        slot = self._slots.get(key)
+        return slot is not None and self._state[slot] == READY and self._namespace[slot] == namespace
 
-    def namespace(self, key: ChunkKey) -> str:
-        """The namespace ``key`` belongs to."""
-        return self._require(key).namespace
+    def state_for(self, key: ChunkKey, namespace: str) -> int:
+        """``READY`` or ``PENDING`` for a chunk of ``namespace``; ``FREE`` for any other key."""
+        slot = self._slots.get(key)
+        if slot is None or self._namespace[slot] != namespace:
+            return FREE
+        return self._state[slot]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._slots
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._slots)
 
     # -- deciding ----------------------------------------------------------------------
     def reserve(self, keys: Iterable[ChunkKey], owner: str, namespace: str | None = None) -> Reservation | None:
@@ -147,7 +162,7 @@ class TierIndex:
         namespace = owner if namespace is None else namespace
         wanted = list(dict.fromkeys(keys))
         for key in wanted:
-            if key in self._entries:
+            if key in self._slots:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         victims = self._partition.make_room(owner, len(wanted), self._is_protected)
         if victims is None:
@@ -155,16 +170,17 @@ class TierIndex:
         evicted = []
         for victim_owner, victim_keys in victims.items():
             for victim in victim_keys:
-                entry = self._entries.pop(victim)
-                self._allocator.release(entry.slot)
-                evicted.append(Victim(victim, entry.slot, victim_owner, entry.namespace))
+                slot = self._slots.pop(victim)
+                victim_namespace = self._namespace[slot]
+                assert victim_namespace is not None
+                self._free(slot)
+                evicted.append(Victim(victim, slot, victim_owner, victim_namespace))
         slots = self._allocator.allocate(len(wanted))
         if slots is None:  # pragma: no cover - make_room made exactly enough room
             raise TieredKVError(f"{self.tier}: allocator lost track of free slots")
         reserved = dict(zip(wanted, slots, strict=True))
         for key, slot in reserved.items():
-            self._entries[key] = Residency(slot, owner, namespace)
-            self._partition.insert(owner, key)
+            self._occupy(key, slot, owner, namespace, PENDING)
         return Reservation(reserved, evicted)
 
     def unreserve(self, reservation: Reservation) -> None:
@@ -177,84 +193,118 @@ class TierIndex:
             self.restore(victim.key, victim.slot, victim.owner, victim.namespace)
 
     def _is_protected(self, key: ChunkKey) -> bool:
-        entry = self._entries.get(key)
-        return entry is None or entry.pins > 0 or entry.state is not State.READY or entry.lease == self._epoch.value
+        slot = self._slots.get(key)
+        return (
+            slot is None
+            or self._pins[slot] > 0
+            or self._state[slot] != READY
+            or (self._lease is not None and self._epoch is not None and self._lease[slot] == self._epoch.value)
+        )
 
     # -- applying ----------------------------------------------------------------------
     def mark_ready(self, key: ChunkKey) -> None:
-        entry = self._require(key)
-        if entry.state is State.READY:
+        slot = self._require(key)
+        if self._state[slot] == READY:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already ready")
-        entry.state = State.READY
+        self._state[slot] = READY
 
     def drop(self, key: ChunkKey) -> int:
         """Forget an unpinned chunk (a failed write, or an explicit removal); its slot."""
-        entry = self._require(key)
-        if entry.pins:
-            raise TieredKVError(f"{self.tier}: chunk {key.hex()} is pinned ({entry.pins})")
-        del self._entries[key]
-        self._partition.remove(entry.owner, key)
-        self._allocator.release(entry.slot)
-        return entry.slot
+        slot = self._require(key)
+        if self._pins[slot]:
+            raise TieredKVError(f"{self.tier}: chunk {key.hex()} is pinned ({self._pins[slot]})")
+        owner = self._owner_of(slot)
+        del self._slots[key]
+        self._partition.remove(owner, key)
+        self._free(slot)
+        return slot
 
     def restore(self, key: ChunkKey, slot: int, owner: str, namespace: str | None = None) -> None:
         """Record a READY chunk of ``namespace`` (default: ``owner``) already held in
         ``slot`` (warm restart)."""
-        if key in self._entries:
+        if key in self._slots:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         self._allocator.claim(slot)
-        entry = Residency(slot, owner, owner if namespace is None else namespace)
-        self._entries[key] = entry
-        entry.state = State.READY
-        self._partition.insert(owner, key)
+        self._occupy(key, slot, owner, owner if namespace is None else namespace, READY)
 
     def hit(self, key: ChunkKey) -> int:
-        """Count a hit on a READY chunk; the new hit count."""
-        entry = self._require(key)
-        entry.hits += 1
-        self._partition.touch(entry.owner, key)
-        return entry.hits
+        """Count a hit on a READY chunk; the new hit count (it stops counting at 65535; 0
+        when this index counts no hits)."""
+        slot = self._require(key)
+        self._partition.touch(self._owner_of(slot), key)
+        if self._hits is None:
+            return 0
+        hits = min(self._hits[slot] + 1, _MAX_COUNT)
+        self._hits[slot] = hits
+        return hits
 
     def lease(self, key: ChunkKey) -> None:
         """Keep ``key`` from eviction until the epoch advances."""
-        self._require(key).lease = self._epoch.value
+        if self._lease is None or self._epoch is None:
+            raise TieredKVError(f"{self.tier}: this tier takes no leases")
+        self._lease[self._require(key)] = self._epoch.value
 
     def pin(self, key: ChunkKey) -> int:
-        entry = self._require(key)
-        if not entry.pins:
+        slot = self._require(key)
+        pins = self._pins[slot]
+        if pins >= _MAX_COUNT:
+            raise TieredKVError(f"{self.tier}: chunk {key.hex()} has {pins} pins already")
+        if not pins:
             self._pinned += 1
-        entry.pins += 1
-        return entry.slot
+        self._pins[slot] = pins + 1
+        return slot
 
     def unpin(self, key: ChunkKey) -> None:
-        entry = self._require(key)
-        if entry.pins <= 0:
+        slot = self._require(key)
+        pins = self._pins[slot]
+        if pins <= 0:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is not pinned")
-        entry.pins -= 1
-        if not entry.pins:
+        self._pins[slot] = pins - 1
+        if pins == 1:
             self._pinned -= 1
 
-    def _require(self, key: ChunkKey) -> Residency:
-        entry = self._entries.get(key)
-        if entry is None:
+    def _occupy(self, key: ChunkKey, slot: int, owner: str, namespace: str, state: int) -> None:
+        self._slots[key] = slot
+        self._state[slot] = state
+        self._namespace[slot] = namespace
+        if owner != namespace:
+            self._other_owner[slot] = owner
+        self._partition.insert(owner, key)
+
+    def _free(self, slot: int) -> None:
+        self._state[slot] = FREE
+        if self._hits is not None:
+            self._hits[slot] = 0
+        if self._lease is not None:
+            self._lease[slot] = -1
+        self._namespace[slot] = None
+        self._other_owner.pop(slot, None)
+        self._allocator.release(slot)
+
+    def _require(self, key: ChunkKey) -> int:
+        slot = self._slots.get(key)
+        if slot is None:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is not resident")
-        return entry
+        return slot
 
     def check(self) -> None:
         """Raise if the index contradicts itself (used by tests after every step)."""
-        slots = [entry.slot for entry in self._entries.values()]
+        slots = list(self._slots.values())
         if len(set(slots)) != len(slots):
             raise TieredKVError(f"{self.tier}: two chunks share a slot")
         if len(slots) != self._allocator.used:
             raise TieredKVError(f"{self.tier}: {len(slots)} chunks but {self._allocator.used} slots used")
-        if self._partition.used != len(self._entries):
+        if self._partition.used != len(self._slots):
             raise TieredKVError(
-                f"{self.tier}: {len(self._entries)} chunks but the partition counts {self._partition.used}"
+                f"{self.tier}: {len(self._slots)} chunks but the partition counts {self._partition.used}"
             )
-        for key, entry in self._entries.items():
-            if not self._partition.contains(entry.owner, key):
+        for key, slot in self._slots.items():
+            if self._namespace[slot] is None or self._state[slot] == FREE:
+                raise TieredKVError(f"{self.tier}: chunk {key.hex()} has a slot marked free")
+            if not self._partition.contains(self._owner_of(slot), key):
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is missing from its owner's policy")
-        if any(entry.pins < 0 for entry in self._entries.values()):
-            raise TieredKVError(f"{self.tier}: negative pin count")
-        if self._pinned != sum(1 for entry in self._entries.values() if entry.pins):
+        in_use = set(slots)
+        if any(self._state[slot] != FREE or self._pins[slot] for slot in range(self.num_slots) if slot not in in_use):
+            raise TieredKVError(f"{self.tier}: a free slot holds state or pins")
+        if self._pinned != sum(1 for slot in slots if self._pins[slot]):
             raise TieredKVError(f"{self.tier}: pinned-chunk count is off")

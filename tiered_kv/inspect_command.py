@@ -17,15 +17,14 @@ from typing import Any, TextIO
 import msgspec
 
 from tiered_kv.bench.report import Table
+from tiered_kv.cli_errors import EXIT_FAILED, EXIT_USAGE
 from tiered_kv.errors import TieredKVError
 from tiered_kv.inspection import GroupReport, InspectableTier, Inspection, StoreReport
 from tiered_kv.namespace import Namespace
 from tiered_kv.registry import TIERS
 
 #: Exit status when ``--verify`` found a corrupt chunk or damaged file.
-EXIT_DAMAGED = 1
-#: Exit status when there is nothing to inspect.
-EXIT_USAGE = 2
+EXIT_DAMAGED = EXIT_FAILED
 
 
 def add_inspect_parser(subparsers: Any) -> None:
@@ -46,6 +45,8 @@ def add_inspect_parser(subparsers: Any) -> None:
 
 def run_inspect(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Inspect ``args.directory``; print the report; write JSON; the exit status."""
+    if not args.directory.exists():
+        return _usage_error(f"{args.directory} does not exist")
     if not args.directory.is_dir():
         return _usage_error(f"{args.directory} is not a directory")
     try:

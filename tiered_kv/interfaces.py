@@ -21,11 +21,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
-import torch
 
 from tiered_kv.keys import ChunkKey
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the core's plain modules load without torch
+    import torch
+
     from tiered_kv.config import NvmeTierConfig
     from tiered_kv.namespace import Namespace
 
@@ -113,6 +114,73 @@ class TierFactory(Protocol):
     async def nvme(
         self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: NvmeTierConfig
     ) -> RecoverableTier: ...
+
+
+class RemoteTierStats(msgspec.Struct, frozen=True, kw_only=True):
+    """What a remote tier's ops came to, beyond :class:`TierStats`' successes and errors."""
+
+    #: Reads and existence checks of keys the server did not hold.
+    absent: int = 0
+    #: Values that failed verification (each was deleted).
+    corrupt: int = 0
+    #: Writes the server refused for lack of memory.
+    full: int = 0
+    #: Ops whose I/O failed: node unreachable or backing off, timeout, connection lost.
+    failed: int = 0
+    #: Cluster ``MOVED``/``ASK`` replies followed.
+    redirects: int = 0
+    #: Connections opened.
+    connects: int = 0
+
+
+class RemoteUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """What one namespace's KV group holds in a remote store, at the time of asking."""
+
+    #: The namespace fingerprint (hex) and KV group in the keys' names.
+    fingerprint: str
+    group: int
+    keys: int
+    #: Bytes of the values (headers included).
+    bytes: int
+
+
+@runtime_checkable
+class RemoteTier(TierDriver, Protocol):
+    """A store shared by many processes and addressed by chunk key alone (no slots).
+
+    Ops carry ``key`` and leave ``slot`` at -1. The store may drop any chunk at any time
+    (eviction, restart), so the core keeps no index of it, only a hint
+    (:class:`tiered_kv.remote_hint.ResidencyHint`) fed by what these calls report. Every
+    read verifies namespace, key and checksum; a value that fails is deleted and is a
+    miss. The per-op calls never raise for a miss or an I/O failure: they report it.
+    """
+
+    async def read_each(self, ops: Sequence[TransferOp], *, namespace: Namespace | None = None) -> list[bool]:
+        """Read each op's chunk of ``namespace`` into its buffer: true where it arrived
+        verified. ``namespace`` is a tenant (LoRA adapter, cache salt) of the namespace
+        the tier was opened for, by default that one: a tenant reads only what was stored
+        as its own, as in the local tiers."""
+        ...
+
+    async def write_each(self, ops: Sequence[TransferOp], *, namespace: Namespace | None = None) -> list[bool]:
+        """Store each op's chunk as ``namespace``'s: true where the store took it."""
+        ...
+
+    async def exists(self, keys: Sequence[ChunkKey], *, namespace: Namespace | None = None) -> list[bool]:
+        """Whether the store holds each of ``namespace``'s keys now (false where it
+        cannot be asked)."""
+        ...
+
+    async def delete(self, keys: Sequence[ChunkKey], *, namespace: Namespace | None = None) -> None:
+        """Delete ``namespace``'s keys, best effort."""
+        ...
+
+    def remote_statistics(self) -> RemoteTierStats: ...
+
+    async def usage(self) -> list[RemoteUsage]:
+        """Keys and bytes under the store's prefix, per namespace and group, by walking
+        the key space (work proportional to the keys, off the event loop)."""
+        ...
 
 
 @runtime_checkable

@@ -333,7 +333,8 @@ class TieredKV:
         holds chunks ``0 … n−1`` ready and every sliding-window group holds the chunks its
         window at ``n`` chunks overlaps. A chunk whose store is in flight is not a hit, nor
         is one another namespace stored."""
-        self._check()
+        if self._closed or self._scheduler.fatal is not None:
+            self._check()
         pools = self._pools_of(namespace)
         per_group(keys, len(pools), "keys", ChunkKeyError)
         return self._control.lookup(namespace, keys)
@@ -375,7 +376,7 @@ class TieredKV:
                 for pool, plan in zip(pools, plans, strict=True):
                     require_keys(plan.keys)
                     gpu = self._drivers[pool.id].gpus[namespace.tp_rank]
-                    blocks_in_range((b for blocks in plan.blocks for b in blocks), gpu.num_slots)
+                    blocks_in_range([b for blocks in plan.blocks for b in blocks], gpu.num_slots)
             except (SpanError, BlockTableError) as exc:
                 reason = "span" if isinstance(exc, SpanError) else "block_table"
                 self._telemetry.loads_rejected[reason] += 1
@@ -550,9 +551,7 @@ class TieredKV:
                 if not promoted:
                     break
                 pinned.append((pool, key))
-            entry = pool.cpu.get(key)
-            assert entry is not None
-            slots.append(entry.slot)
+            slots.append(pool.cpu.slot(key))
             tier = "nvme" if task is not None else "cpu"
             self._telemetry.loaded[tier] += 1
             sources[tier] += 1
@@ -674,7 +673,7 @@ class TieredKV:
         tables = [require_block_ids(table) for table in per_group(block_ids, len(pools), "block_ids", BlockTableError)]
         for pool, group_keys, table in zip(pools, keys, tables, strict=True):
             require_keys(group_keys)
-            copied = (b for b in table[: len(group_keys) * pool.blocks_per_chunk] if b >= 0)
+            copied = [b for b in table[: len(group_keys) * pool.blocks_per_chunk] if b >= 0]
             blocks_in_range(copied, self._drivers[pool.id].gpus[namespace.tp_rank].num_slots)
         return tables
 
@@ -842,7 +841,9 @@ class TieredKV:
     async def _released(self, waiting: list[asyncio.Future[None]]) -> None:
         """Wait for stores to stop reading GPU blocks; the caller's cancellation does not
         cancel the stores."""
-        if waiting:
+        if len(waiting) == 1:
+            await asyncio.shield(waiting[0])
+        elif waiting:
             await asyncio.shield(asyncio.gather(*waiting))
         self._check()
 

@@ -17,8 +17,7 @@ import contextlib
 import functools
 import heapq
 import itertools
-from collections.abc import AsyncIterator, Callable, Coroutine, Hashable
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Coroutine, Hashable
 from typing import Any, TypeVar
 
 from tiered_kv.checks import is_int_at_least
@@ -52,18 +51,11 @@ class PriorityGate:
         self.waiting = 0
         self._seq = itertools.count()
 
-    @asynccontextmanager
-    async def hold(self, priority: int) -> AsyncIterator[None]:
-        await self._acquire(priority)
-        try:
-            yield
-        finally:
-            self._release()
+    def hold(self, priority: int) -> _Hold:
+        """``async with gate.hold(priority):`` — hold a place for the block."""
+        return _Hold(self, priority)
 
     async def _acquire(self, priority: int) -> None:
-        if self.holders < self.limit and not self.waiting:
-            self.holders += 1
-            return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiters, (priority, next(self._seq), fut))
         self.waiting += 1
@@ -89,6 +81,26 @@ class PriorityGate:
                 self.holders += 1
                 self.waiting -= 1
                 fut.set_result(None)
+
+
+class _Hold:
+    """One place at a :class:`PriorityGate`, taken without waiting when one is free."""
+
+    __slots__ = ("_gate", "_priority")
+
+    def __init__(self, gate: PriorityGate, priority: int) -> None:
+        self._gate = gate
+        self._priority = priority
+
+    async def __aenter__(self) -> None:
+        gate = self._gate
+        if gate.holders < gate.limit and not gate.waiting:
+            gate.holders += 1
+        else:
+            await gate._acquire(self._priority)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._gate._release()
 
 
 class Budget:

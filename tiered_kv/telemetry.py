@@ -42,11 +42,6 @@ class Telemetry:
         self._events: collections.deque[KVEvent] = collections.deque(maxlen=max_events)
         self.events_dropped = 0
 
-    def looked_up(self, asked: int, found: int, from_nvme: int) -> None:
-        self.hit_cpu += found - from_nvme
-        self.hit_nvme += from_nvme
-        self.missed += asked - found
-
     def load_timed(self, ms: float) -> None:
         self._latency[bisect.bisect_left(LOAD_LATENCY_BOUNDS_MS, ms)] += 1
         self._latency_ms += ms

@@ -16,12 +16,13 @@ import itertools
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import TypeVar
-
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from tiered_kv.errors import TierError, TierFullError, TierIOError
 from tiered_kv.interfaces import TransferOp
+
+if TYPE_CHECKING:  # torch is imported where it is used: `tiered-kv inspect` runs without it
+    import torch
 
 T = TypeVar("T")
 
@@ -84,6 +85,8 @@ def worker_pool(name: str, workers: int) -> ThreadPoolExecutor:
     every parallel region in the process (the engine's included) pays a wake-up. Drivers
     get their parallelism from several workers instead.
     """
+    import torch
+
     return ThreadPoolExecutor(
         workers, thread_name_prefix=f"tiered-kv-{name}", initializer=torch.set_num_threads, initargs=(1,)
     )
@@ -129,6 +132,8 @@ def tier_error(tier: str, what: str, exc: BaseException) -> TierError:
 
 def check_buffer(buffer: torch.Tensor, *, max_bytes: int, exact: bool = False) -> int:
     """Bytes of a host buffer that is 1-D, contiguous, ``uint8`` and on the CPU."""
+    import torch
+
     if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or buffer.dim() != 1 or not buffer.is_contiguous():
         raise ValueError(
             f"a host buffer is a 1-D contiguous uint8 CPU tensor, got {buffer.dtype} "

@@ -39,6 +39,11 @@ from tiered_kv.log import get_logger
 
 log = get_logger("gpu")
 
+#: When a stretch's copies (one per run of consecutive blocks and KV tensor group) would move
+#: fewer bytes than this on average, one gather or scatter per tensor group moves them all
+#: instead (see :meth:`GpuTier._copy`): below it, building a copy costs more than its bytes.
+GATHER_BELOW_BYTES = 256 << 10
+
 
 class _Segment(NamedTuple):
     """KV tensors laid out alike in one allocation: ``[count, num_blocks, piece]`` bytes."""
@@ -109,32 +114,38 @@ def _runs(blocks: Sequence[int], first_block: int) -> list[tuple[int, int, int]]
     return runs
 
 
-def _stretches(ops: Sequence[TransferOp], chunk_bytes: int) -> list[tuple[TransferOp, int, int]]:
-    """``(first op, count, buffer stride)`` for each stretch of ops that one strided copy
-    can serve: ops alike (the same positions, one run of blocks each) whose blocks continue
-    each other's and whose buffers lie at equal, non-overlapping steps in one allocation
-    (consecutive cpu slots). Each other op is a stretch of one.
+class _Stretch(NamedTuple):
+    """Ops alike — the same number of blocks from the same position in their chunks — whose
+    buffers lie at equal, non-overlapping steps in one allocation (consecutive cpu slots,
+    or any single op): one strided host view per KV tensor group serves them all."""
 
-    Engines allocate blocks, and the cpu tier slots, mostly in order, so a job of many
-    chunks usually costs one copy per KV tensor group instead of one per chunk.
-    """
-    stretches: list[tuple[TransferOp, int, int]] = []
+    first: TransferOp
+    #: Ops in the stretch.
+    size: int
+    #: Bytes from one op's buffer to the next.
+    stride: int
+    #: Every op's block ids, op after op.
+    blocks: list[int]
+
+
+def _stretches(ops: Sequence[TransferOp], chunk_bytes: int) -> list[_Stretch]:
+    """Ops grouped into stretches, in order. Engines allocate blocks, and the cpu tier
+    slots, mostly in order, so a job of many chunks is usually one stretch."""
+    stretches: list[_Stretch] = []
     for op in ops:
         if stretches:
-            first, m, stride = stretches[-1]
+            first, m, stride, blocks = stretches[-1]
             step = op.buffer.storage_offset() - first.buffer.storage_offset()
             if (
                 len(op.blocks) == len(first.blocks)
                 and op.first_block == first.first_block
-                and op.blocks[-1] - op.blocks[0] == len(op.blocks) - 1
-                and first.blocks[-1] - first.blocks[0] == len(first.blocks) - 1
-                and op.blocks[0] == first.blocks[0] + m * len(first.blocks)
                 and op.buffer.untyped_storage().data_ptr() == first.buffer.untyped_storage().data_ptr()
                 and (step == m * stride if m > 1 else step >= chunk_bytes)
             ):
-                stretches[-1] = (first, m + 1, step // m)
+                blocks += op.blocks
+                stretches[-1] = _Stretch(first, m + 1, step // m, blocks)
                 continue
-        stretches.append((op, 1, chunk_bytes))
+        stretches.append(_Stretch(op, 1, chunk_bytes, list(op.blocks)))
     return stretches
 
 
@@ -224,25 +235,52 @@ class GpuTier(DriverBase):
         self._count(read=to_host, ops=len(ops), nbytes=nbytes)
 
     def _copy(self, ops: Sequence[TransferOp], to_host: bool, non_blocking: bool) -> None:
-        """Issue every copy of a job in one ``_foreach_copy_`` call."""
+        """Move a job's bytes: per stretch of ops and KV tensor group, one strided copy for
+        each run of consecutive blocks, or — when the runs are short, so that a copy per run
+        would cost more in Python than in memory traffic — one gather (``index_select``) or
+        scatter (``index_copy_``) of all the stretch's blocks. The strided copies go to
+        ``torch._foreach_copy_`` in one call."""
         hosts: list[torch.Tensor] = []
         caches: list[torch.Tensor] = []
         bpc = self.blocks_per_chunk
-        for op, m, stride in _stretches(ops, self.chunk_bytes):
+        for op, m, stride, blocks in _stretches(ops, self.chunk_bytes):
             buffer, base = op.buffer, op.buffer.storage_offset()
-            for position, block, n in _runs(op.blocks, op.first_block):
+            n = len(op.blocks)
+            runs = _runs(blocks, 0)
+            copies = len(runs) * len(self._segments)
+            if len(runs) > 1 and len(blocks) * self.slot_bytes < copies * GATHER_BELOW_BYTES:
+                index = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=non_blocking)
                 for seg in self._segments:
                     count, _, piece = seg.cache.shape
-                    # ``m`` ops in a row: their buffers chunk after chunk, their blocks run on.
-                    hosts.append(
-                        buffer.as_strided(
-                            (count, m, n, piece),
-                            (bpc * piece, stride, piece, 1),
-                            base + seg.offset + position * piece,
-                        )
+                    host = buffer.as_strided(
+                        (count, m, n, piece),
+                        (bpc * piece, stride, piece, 1),
+                        base + seg.offset + op.first_block * piece,
                     )
-                    rows = seg.cache[:, block : block + m * n]
-                    caches.append(rows.view(count, m, n, piece))
+                    if to_host:
+                        host.copy_(seg.cache.index_select(1, index).view(count, m, n, piece), non_blocking=non_blocking)
+                    else:
+                        staged = host.reshape(count, m * n, piece).to(self.device, non_blocking=non_blocking)
+                        seg.cache.index_copy_(1, index, staged)
+                continue
+            for i in range(m) if len(runs) > 1 else [0]:
+                # One run over the whole stretch: its m ops are one copy; else each op's runs.
+                op_blocks = blocks if len(runs) == 1 else blocks[i * n : (i + 1) * n]
+                rows_of = m if len(runs) == 1 else 1
+                for position, block, length in _runs(op_blocks, op.first_block):
+                    for seg in self._segments:
+                        count, _, piece = seg.cache.shape
+                        width = length // rows_of
+                        hosts.append(
+                            buffer.as_strided(
+                                (count, rows_of, width, piece),
+                                (bpc * piece, stride, piece, 1),
+                                base + i * stride + seg.offset + position * piece,
+                            )
+                        )
+                        caches.append(seg.cache[:, block : block + length].view(count, rows_of, width, piece))
+        if not hosts:
+            return
         if to_host:
             torch._foreach_copy_(hosts, caches, non_blocking=non_blocking)
         else:

@@ -46,9 +46,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 from tiered_kv.tiers._driver import (
     PAGE,
     check_buffer,
@@ -85,6 +85,9 @@ from tiered_kv.interfaces import TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
+
+if TYPE_CHECKING:  # annotations only: `tiered-kv inspect` loads this module without torch
+    import torch
 
 _ZEROS = bytes(HEADER_BYTES)
 

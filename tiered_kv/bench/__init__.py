@@ -4,6 +4,12 @@ A bench is made of sections (``tiers``, ``workload``, ``policies``, ``overhead``
 Each section adds its own command-line options, runs, and returns a JSON-able payload
 plus a table for people. A bare ``tiered-kv bench`` runs every section in order; the
 JSON document is ``{"schema": 1, "<section>": payload, ..., "errors": [...]}``.
+
+Options are scoped: a section's own options, and the model-shape options for the
+sections that build a KV cache (those with a ``model`` attribute: the preset they use
+unless ``--model`` names another), are refused when no chosen section reads them.
+Section modules import torch and the manager only when they run, so that building this
+parser (every ``tiered-kv`` command does) stays cheap.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tiered_kv.bench.models import add_model_arguments
+from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.report import Progress, Table
+from tiered_kv.cli_errors import EXIT_FAILED, UsageError
 
 SCHEMA_VERSION = 1
 
@@ -49,6 +56,21 @@ def _sections() -> list[BenchSection]:
     return [TiersSection(), WorkloadSection(), PoliciesSection(), OverheadSection(), KeysSection()]
 
 
+def model_preset(section: BenchSection) -> str | None:
+    """The preset a section builds its KV cache from without ``--model``; None when it builds none."""
+    preset: str | None = getattr(section, "model", None)
+    return preset
+
+
+def _existing_directory(text: str) -> Path:
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    return path
+
+
 def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]] = _sections) -> None:
     all_sections = sections()
     parser = subparsers.add_parser(
@@ -68,25 +90,49 @@ def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]]
         "--plot", type=Path, metavar="PATH", help="also draw tier ratios and hit rates as a PNG (needs matplotlib)"
     )
     parser.add_argument(
-        "--nvme-dir", type=Path, metavar="DIR", help="where disk tiers and probes put their files (default: a temp dir)"
+        "--nvme-dir",
+        type=_existing_directory,
+        metavar="DIR",
+        help="where disk tiers and probes put their files (default: a temp dir)",
     )
-    add_model_arguments(parser.add_argument_group("model shape"))
+    #: Option destination -> (its flag, its default, the sections that read it).
+    scope: dict[str, tuple[str, Any, list[str]]] = {}
+    presets = {s.name: preset for s in all_sections if (preset := model_preset(s)) is not None}
+    model_group = parser.add_argument_group(f"model shape (sections {', '.join(presets)})")
+    add_model_arguments(model_group, presets)
     for section in all_sections:
-        section.add_arguments(parser.add_argument_group(f"{section.name} section"))
+        group = parser.add_argument_group(f"{section.name} section")
+        section.add_arguments(group)
+        # argparse has no public list of a group's options; _group_actions is it.
+        for action in group._group_actions:
+            scope[action.dest] = (action.option_strings[-1], action.default, [section.name])
+    for action in model_group._group_actions:
+        scope[action.dest] = (action.option_strings[-1], action.default, list(presets))
 
     def handler(args: argparse.Namespace) -> int:
         known = [s.name for s in all_sections]
         unknown = [name for name in args.sections if name not in known]
         if unknown:
             parser.error(f"invalid choice: {unknown[0]!r} (choose from {', '.join(known)})")
+        chosen = set(args.sections or known)
+        for dest, (flag, default, readers) in scope.items():
+            if getattr(args, dest) != default and not chosen & set(readers):
+                parser.error(f"{flag} is an option of {', '.join(readers)}, which this run does not include")
+        for name in chosen & set(presets):  # a model that cannot be built fails now, not after other sections
+            model_from_args(args, presets[name])
         return run_bench(args, all_sections)
 
     parser.set_defaults(handler=handler)
 
 
 def run_bench(args: argparse.Namespace, sections: Sequence[BenchSection], out: Any = None) -> int:
-    """Run the chosen sections; print tables; write JSON; 1 if any section failed."""
+    """Run the chosen sections; print tables; write JSON; 1 if any section failed.
+
+    A failed section is one line on stderr (the traceback too under ``--log-level debug``)
+    and does not stop the others; a :class:`UsageError` stops the bench.
+    """
     out = out or sys.stdout
+    debug = getattr(args, "log_level", None) == "debug"
     chosen = [s for s in sections if not args.sections or s.name in args.sections]
     document: dict[str, Any] = {"schema": SCHEMA_VERSION}
     errors: list[dict[str, str]] = []
@@ -96,11 +142,14 @@ def run_bench(args: argparse.Namespace, sections: Sequence[BenchSection], out: A
         progress.section(section.name)
         try:
             result = section.run(args, progress)
+        except UsageError:
+            raise
         except Exception as exc:  # a failed section must not hide the others' figures
             reason = f"{type(exc).__name__}: {exc}"
             errors.append({"section": section.name, "error": reason})
+            if debug:
+                traceback.print_exc(file=sys.stderr)
             print(f"bench section {section.name!r} failed: {reason}", file=sys.stderr)
-            traceback.print_exc(file=sys.stderr)
             continue
         finally:
             progress.done()
@@ -122,4 +171,4 @@ def run_bench(args: argparse.Namespace, sections: Sequence[BenchSection], out: A
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(document), indent=2) + b"\n")
-    return 1 if errors else 0
+    return EXIT_FAILED if errors else 0

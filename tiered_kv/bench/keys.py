@@ -15,34 +15,29 @@ from collections.abc import Callable
 import numpy as np
 
 from tiered_kv.bench import SectionResult
+from tiered_kv.bench.models import model_from_args
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import KeysCase, KeysFigures
 from tiered_kv.keys import chunk_keys, chunk_keys_from_block_hashes
-from tiered_kv.layout import KVGeometry, KVGroup
-from tiered_kv.namespace import Namespace
+
+#: GPU blocks per chunk: 256-token chunks over 16-token blocks, as the workload's.
+BLOCKS_PER_CHUNK = 16
 
 
 class KeysSection:
     name = "keys"
     summary = "chunk-key hashing throughput (ns per token)"
+    model = "llama-8b"
 
     def add_arguments(self, parser: argparse._ArgumentGroup) -> None:
         parser.add_argument("--key-tokens", type=int, default=131072, help="prompt length (default 131072)")
-        parser.add_argument("--key-block-size", type=int, default=16, help="tokens per GPU block (default 16)")
         parser.add_argument("--key-repeats", type=int, default=7, help="timed repetitions (default 7)")
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
-        n_tokens, block_size, repeats = args.key_tokens, args.key_block_size, args.key_repeats
-        namespace = Namespace(
-            model_id="bench/keys",
-            model_revision="0",
-            geometry=KVGeometry(
-                dtype="bfloat16",
-                block_size=block_size,
-                chunk_size=block_size * 16,
-                groups=(KVGroup(num_layers=32, num_kv_heads=8, head_dim=128),),
-            ),
-        )
+        n_tokens, repeats = args.key_tokens, args.key_repeats
+        model = model_from_args(args, self.model)
+        block_size, chunk_size = model.block_size, model.block_size * BLOCKS_PER_CHUNK
+        namespace = model.namespace(chunk_size)
         rng = np.random.default_rng(0)
         token_array = rng.integers(0, 128_256, n_tokens, dtype=np.int64)
         token_list = token_array.tolist()
@@ -81,14 +76,12 @@ class KeysSection:
             )
         progress.step(len(cases), len(cases), "done")
         table = Table(
-            title=f"keys: SHA-256 chunk keys, block {block_size}, chunk {block_size * 16} tokens",
+            title=f"keys: SHA-256 chunk keys, block {block_size}, chunk {chunk_size} tokens",
             headers=["input", "tokens", "ns/token best", "ns/token median", "Mtokens/s"],
             rows=rows,
             note="reference: vLLM reports 100-200 ns/token for SHA-256 prefix hashing",
         )
         return SectionResult(
-            payload=KeysFigures(
-                block_size=block_size, chunk_size=block_size * 16, repeats=repeats, cases=payload_cases
-            ),
+            payload=KeysFigures(block_size=block_size, chunk_size=chunk_size, repeats=repeats, cases=payload_cases),
             tables=[table],
         )

@@ -68,6 +68,18 @@ class OverheadFigures(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     store_us_per_chunk: float
     load_us_per_chunk: float
     lookup_keys_per_s: float
+    #: One ``lookup`` call at a time, as an engine makes them for each waiting request every
+    #: step: µs per call for 1 and for 8 resident chunks, a model's namespace and a tenant's.
+    lookup_us_per_call_1: float
+    lookup_us_per_call_8: float
+    tenant_lookup_us_per_call_1: float
+    #: A filtered debug event: with logging unconfigured (a fresh interpreter), through
+    #: structlog configured as the CLI does (cached), a structlog logger bound once (the
+    #: yardstick), and structlog's lazy proxy without caching.
+    log_event_us_unconfigured: float
+    log_event_us_cached: float
+    log_event_us_bound: float
+    log_event_us_proxy: float
 
 
 class KeysCase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

