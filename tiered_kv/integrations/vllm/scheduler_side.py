@@ -214,34 +214,34 @@ class SchedulerSide:
         self._apply_results()
         position, key = self._chunk(request, offload_key)
         if key in request.refused:
-            self.telemetry.looked_up(1, 0, 0)
+            self.telemetry.missed += 1
             return Answer.MISS
         pool = self.pools[position]
         state = pool.state(key, request.fingerprint)
         if state is ChunkState.CPU_READY:
             self.control.lease(pool, key)
-            self.telemetry.looked_up(1, 1, 0)
+            self.telemetry.hit_cpu += 1
             return Answer.HIT
         if state is ChunkState.CPU_PENDING:
             promoting = self._promoting.get((position, key))
             if promoting is None:  # a store in flight
-                self.telemetry.looked_up(1, 1, 0)
+                self.telemetry.hit_cpu += 1
                 return Answer.HIT_PENDING
             if self._clock() > promoting.deadline:
                 request.refused.add(key)
-                self.telemetry.looked_up(1, 0, 0)
+                self.telemetry.missed += 1
                 return Answer.MISS
             promoting.requests.append(request)
-            self.telemetry.looked_up(1, 1, 1)
+            self.telemetry.hit_nvme += 1
             return Answer.HIT_PENDING
         if state is ChunkState.NVME_READY:
             wanted = self._wanted.get((position, key))
             if wanted is None:
                 wanted = self._wanted[(position, key)] = _Wanted(position, key, request.fingerprint, [])
             wanted.requests.append(request)
-            self.telemetry.looked_up(1, 1, 1)
+            self.telemetry.hit_nvme += 1
             return Answer.HIT_PENDING
-        self.telemetry.looked_up(1, 0, 0)
+        self.telemetry.missed += 1
         return Answer.MISS
 
     def load_source(self, request: RequestState, offload_key: bytes) -> Source:
