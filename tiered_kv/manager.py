@@ -848,9 +848,13 @@ class TieredKV:
         self._check()
 
     async def drain(self) -> None:
-        """Return once every background copy (stores, write-behind, promotions) is done."""
+        """Return once every background copy (stores, write-behind, promotions) is done
+        and every chunk stored so far is durable."""
         self._check()
         await self._scheduler.drain()
+        for drivers in list(self._drivers.values()):
+            if drivers.nvme is not None:
+                await drivers.nvme.sync()
         self._check()
 
     # -- observation -------------------------------------------------------------------
