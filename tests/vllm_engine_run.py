@@ -90,20 +90,23 @@ def process_tree() -> list[dict[str, Any]]:
 
 
 def flip_nvme_byte(root: Path, slot: int) -> None:
-    """Corrupt nvme slot ``slot`` of KV group 0 on disk: one payload byte flipped, the
-    manifest untouched (what a bad sector or a stray write does)."""
-    from tiered_kv.tiers.nvme_format import HEADER_BYTES, decode_manifest, slot_stride
+    """Corrupt nvme slot ``slot`` of KV group 0 on disk: one payload byte flipped, the slot
+    map untouched (what a bad sector or a stray write does); checked by inspecting the store."""
+    from tiered_kv.tiers.nvme import NvmeTier
+    from tiered_kv.tiers.nvme_format import HEADER_BYTES, group_file, slot_stride
 
-    [manifest] = root.glob("*/g0.manifest")
-    record = decode_manifest(manifest.read_bytes())
-    if slot not in record.chunks:
-        raise SystemExit(f"nvme slot {slot} holds no chunk; the manifest lists {sorted(record.chunks)}")
-    where = slot * slot_stride(record.slot_bytes) + HEADER_BYTES + 1000
-    with (manifest.parent / "g0.slots").open("r+b") as f:
+    [store] = NvmeTier.inspect(root).stores
+    group = store.groups[0]
+    assert group.slot_bytes is not None, store
+    where = slot * slot_stride(group.slot_bytes) + HEADER_BYTES + 1000
+    with (Path(store.directory) / group_file(0, "slots")).open("r+b") as f:
         f.seek(where)
         byte = f.read(1)[0]
         f.seek(where)
         f.write(bytes([byte ^ 0xFF]))
+    corrupt = [c.slot for c in NvmeTier.inspect(root, verify=True).stores[0].groups[0].corrupt]
+    if corrupt != [slot]:
+        raise SystemExit(f"flipping a byte of nvme slot {slot} made slots {corrupt} corrupt")
 
 
 def main() -> None:
