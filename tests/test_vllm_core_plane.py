@@ -18,9 +18,10 @@ from tiered_kv.tiers.nvme_format import HEADER_BYTES, slot_stride
 from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 from tiered_kv.config import NvmeTierConfig
-from tiered_kv.errors import TieredKVError
+from tiered_kv.errors import TierClosedError, TieredKVError
 from tiered_kv.integrations.vllm import core_plane
 from tiered_kv.integrations.vllm.core_plane import CoreDataPlane, Done, NvmeCopy, Outcome, Recovered
+from tiered_kv.interfaces import TransferOp
 from tiered_kv.registry import TIERS
 
 SLOT = 2 * 4096 + 8
@@ -174,6 +175,13 @@ def test_a_large_recovered_index_comes_back_in_bounded_batches(tmp_path: Path, m
         assert sorted(c for b in batches for c in b.chunks) == [(key(n), n) for n in range(5)]
     finally:
         again.close()
+
+
+async def test_close_closes_the_cpu_tiers_too(tmp_path: Path) -> None:
+    with open_plane(tmp_path) as (_, cpu, _):
+        pass
+    with pytest.raises(TierClosedError):
+        await cpu.read([TransferOp(buffer=torch.empty(8, dtype=torch.uint8), slot=0)])
 
 
 def test_forgotten_slots_do_not_come_back_after_a_restart(tmp_path: Path) -> None:

@@ -363,6 +363,36 @@ def test_a_promotion_past_its_deadline_is_a_miss_for_the_request(engines: Any, t
         TIERS.unregister("nvme")
 
 
+def test_a_request_waiting_for_a_promotion_step_after_step_is_remembered_once(engines: Any) -> None:
+    # White box: vLLM looks a waiting request up every step (and may repeat a key within one);
+    # what a promotion remembers of its waiters must not grow with the steps.
+    release = threading.Event()
+
+    class StuckNvme(NvmeTier):
+        def _read_one(self, op: Any) -> None:
+            release.wait(30)
+            super()._read_one(op)
+
+    TIERS.register("nvme", StuckNvme)
+    try:
+        engine = engines(cpu_chunks=4, nvme_chunks=32)
+        engine.only_on_nvme("a", 1, filler=4)
+        request = engine.side.new_request()
+        keys = [offload_key("a", 0)]
+        for _ in range(3):
+            engine.scan(request, keys)
+        assert [len(w.requests) for w in engine.side._wanted.values()] == [1]
+        for _ in range(50):
+            engine.side.schedule_end()
+            assert engine.scan(request, keys) == (1, True)
+        assert [len(p.requests) for p in engine.side._promoting.values()] == [1]
+        release.set()
+        engine.settle(lambda: engine.scan(request, keys) == (1, False))
+    finally:
+        release.set()
+        TIERS.unregister("nvme")
+
+
 def test_a_promotion_that_fails_is_a_miss_for_the_request_not_a_retry_forever(engines: Any) -> None:
     class FailingNvme(NvmeTier):
         def _read_one(self, op: Any) -> None:

@@ -15,7 +15,7 @@ import torch
 from tiered_kv.tiers.gpu import GpuTier
 from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
-from tiered_kv.errors import TieredKVError, TierIOError
+from tiered_kv.errors import TierClosedError, TieredKVError, TierIOError
 from tiered_kv.integrations.vllm.worker_plane import (
     ChunkCopy,
     Direction,
@@ -91,6 +91,14 @@ def test_a_store_then_a_load_round_trips_through_this_ranks_share_of_the_slots()
             assert all(torch.equal(t[src], t[dst]) for t in tensors)
     finally:
         plane.close()
+
+
+async def test_close_closes_the_tiers_it_was_given() -> None:
+    # With CUDA, closing the cpu tier is what unregisters the shared slab from CUDA.
+    plane, host = make_plane(block_tensors(3))
+    plane.close()
+    with pytest.raises(TierClosedError):
+        await host.read([TransferOp(buffer=torch.empty(8, dtype=torch.uint8), slot=0)])
 
 
 def test_a_load_that_starts_mid_chunk_fills_only_its_blocks_from_the_right_offset() -> None:

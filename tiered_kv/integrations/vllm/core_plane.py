@@ -215,7 +215,8 @@ class CoreDataPlane(Generic[Ticket]):
     # -- shutdown -------------------------------------------------------------------------
     def close(self, timeout_s: float | None = None) -> None:
         """Let the I/O in flight finish (up to ``timeout_s``), close the stores (which
-        saves their manifests: the warm restart's record), stop the thread."""
+        commits their slot maps: the warm restart's record) and the cpu tiers, stop the
+        thread."""
         if self._closed:
             return
         self._closed = True
@@ -224,8 +225,8 @@ class CoreDataPlane(Generic[Ticket]):
         concurrent.futures.wait(running, timeout=timeout_s)
 
         async def close_stores() -> None:
-            for store in self._stores:
-                await store.close()
+            for tier in [*self._stores, *self._cpus]:
+                await tier.close()
 
         try:
             self._loop.run(close_stores(), timeout_s)

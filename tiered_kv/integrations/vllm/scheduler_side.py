@@ -99,14 +99,15 @@ class _Wanted:
     position: int
     key: ChunkKey
     namespace: str
-    requests: list[RequestState]
+    #: The requests that wait for it (a set: vLLM looks a waiting request up every step).
+    requests: set[RequestState]
 
 
 @dataclasses.dataclass(slots=True)
 class _Promoting:
     plan: Promotion
     deadline: float
-    requests: list[RequestState]
+    requests: set[RequestState]
 
 
 @dataclasses.dataclass(slots=True)
@@ -231,14 +232,14 @@ class SchedulerSide:
                 request.refused.add(key)
                 self.telemetry.missed += 1
                 return Answer.MISS
-            promoting.requests.append(request)
+            promoting.requests.add(request)
             self.telemetry.hit_nvme += 1
             return Answer.HIT_PENDING
         if state is ChunkState.NVME_READY:
             wanted = self._wanted.get((position, key))
             if wanted is None:
-                wanted = self._wanted[(position, key)] = _Wanted(position, key, request.fingerprint, [])
-            wanted.requests.append(request)
+                wanted = self._wanted[(position, key)] = _Wanted(position, key, request.fingerprint, set())
+            wanted.requests.add(request)
             self.telemetry.hit_nvme += 1
             return Answer.HIT_PENDING
         self.telemetry.missed += 1
@@ -415,7 +416,7 @@ class SchedulerSide:
                 return
             position = self.pools.index(plan.pool)
             promoting = self._promoting.pop((position, plan.key), None)
-            waiting = promoting.requests if promoting is not None else []
+            waiting = promoting.requests if promoting is not None else set()
             forget = self.control.complete_promotion(plan, _OUTCOMES[done.outcome])
             for request in waiting:
                 (request.promoted if done.outcome is Outcome.OK else request.refused).add(plan.key)
@@ -510,7 +511,7 @@ class SchedulerSide:
             log.warning("statistics.unwritable", path=self._statistics_path, error=str(exc))
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Finish the engine core's I/O (the nvme manifests are saved), write the final
+        """Finish the engine core's I/O (the nvme slot maps are committed), write the final
         statistics, stop the nvme thread."""
         if self._core is not None:
             self._core.drain(timeout_s)

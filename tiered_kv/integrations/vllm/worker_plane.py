@@ -244,8 +244,8 @@ class WorkerDataPlane:
             return sum(1 for future in self._jobs.values() if not future.done())
 
     def close(self) -> None:
-        """Wait for the jobs in flight (they touch GPU memory), then close the gpu tiers
-        and stop the copy thread."""
+        """Wait for the jobs in flight (they touch GPU memory), then close the gpu and cpu
+        tiers and stop the copy thread."""
         if self._closed:
             return
         self._closed = True
@@ -254,8 +254,8 @@ class WorkerDataPlane:
         concurrent.futures.wait(pending)
 
         async def close_tiers() -> None:
-            for gpu in self._gpus:
-                await gpu.close()
+            for tier in [*self._gpus, *self._hosts]:
+                await tier.close()  # the cpu tiers unregister the slab from CUDA
 
         try:
             self._loop.run(close_tiers())
