@@ -132,6 +132,10 @@ class CoreDataPlane(Generic[Ticket]):
             self._running.discard(future)
 
     # -- results (the control plane's thread; never blocks) --------------------------------
+    def has_results(self) -> bool:
+        """Whether :meth:`results` has anything to say (cheap: the manager asks at every call)."""
+        return bool(self._results) or self._failure is not None
+
     def results(self) -> list[Done[Ticket] | Recovered]:
         """What has ended since the last call, oldest first. Raises the error that kept
         the nvme stores from opening (a second engine on the same directory, say)."""

@@ -385,9 +385,10 @@ class SchedulerSide:
         return bool(self._wanted or self._promoting)
 
     def _apply_results(self) -> None:
-        if self._core is None:
+        core = self._core
+        if core is None or not core.has_results():
             return
-        for result in self._core.results():
+        for result in core.results():
             if isinstance(result, Recovered):
                 self._restore(result)
                 continue
