@@ -10,7 +10,7 @@ if [ ! -f "$engine_venv/.engine-stamp" ]; then
   exit 0
 fi
 . "$root/scripts/lib/vllm-env.sh"  # up to date in a fraction of a second; reinstalls tiered-kv if pyproject.toml changed
-echo "== pytest -m vllm (engine venv $engine_venv)" >&2
+echo "== pytest in the engine venv $engine_venv ($*)" >&2
 cd "$root"
 rc=0
 "$vllm_python" -m pytest -m vllm "$@" || rc=$?
