@@ -496,11 +496,12 @@ def test_kv_events_name_vllms_keys_of_chunks_stored_and_evicted(engines: Any) ->
     runs = engine.side.take_events()
     assert [(r.tier, r.removed, r.keys) for r in runs] == [("cpu", False, [offload_key("a", 0), offload_key("a", 1)])]
     answer = engine.side.prepare_store(engine.side.new_request(), [offload_key("b", 0)])
-    assert answer is not None and answer.evicted == [offload_key("a", 0)]
+    # Prefix-aware eviction: a0 continues into a1, so the leaf a1 goes first.
+    assert answer is not None and answer.evicted == [offload_key("a", 1)]
     engine.side.complete_store(answer.keys, ok=True)
     runs = engine.side.take_events()
     assert [(r.tier, r.removed, r.keys) for r in runs] == [
-        ("cpu", True, [offload_key("a", 0)]),
+        ("cpu", True, [offload_key("a", 1)]),
         ("cpu", False, [offload_key("b", 0)]),
     ]
 

@@ -396,7 +396,12 @@ class SchedulerSide:
 
     def _restore(self, batch: Recovered) -> None:
         if self._generation == 0:
-            self.control.restore(self.pools[batch.group], batch.chunks)
+            pool = self.pools[batch.group]
+            if batch.chunks:
+                keys, slots = zip(*batch.chunks, strict=True)
+                self.control.restore(pool, keys, slots)
+            if batch.last:
+                self.control.restored(pool)
             self._recovered += len(batch.chunks)
         if batch.last:
             self._recovering -= 1
