@@ -1,4 +1,5 @@
-"""Adversarial: a registration that a deadline cancels, or that ``close`` overtakes.
+"""Adversarial: registrations — one a deadline cancels, one ``close`` overtakes, a second
+tensor-parallel rank of a model in the same manager.
 
 ``register`` opens the nvme store in driver threads. Cancelled while they run, the
 threads finish and their file descriptors — the store directory, the slots file and the
@@ -21,7 +22,7 @@ import pytest
 from conftest import make_namespace
 from test_manager_data import engine_cache
 
-from tiered_kv import CpuTierConfig, NvmeTierConfig, TieredKV, TieredKVConfig, TieredKVError
+from tiered_kv import CpuTierConfig, NvmeTierConfig, TieredKV, TieredKVConfig, TieredKVError, chunk_keys
 
 NS = make_namespace()
 CHUNK = NS.geometry.chunk_bytes()
@@ -69,3 +70,18 @@ async def test_close_during_registration_leaves_no_driver_open(tmp_path: Path) -
     await asyncio.sleep(0.05)
     assert open_fds() == before
     await reopens(tmp_path)
+
+
+async def test_every_tensor_parallel_rank_of_a_model_registers_with_the_default_budgets() -> None:
+    """``register`` attaches "one TP rank's GPU tensors" (README). For a layout that is not
+    replicated each rank is its own namespace, and with the default budgets ("all that is
+    left") the first rank takes every byte of cpu: the second rank's registration fails."""
+    ranks = [make_namespace(tp_size=2, tp_rank=rank) for rank in range(2)]
+    async with TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=CHUNK * 8))) as kv:
+        for ns in ranks:
+            await kv.register(ns, [engine_cache(64, ns=ns)])
+        for ns in ranks:
+            keys = chunk_keys(ns, list(range(32)))
+            await kv.store(ns, request_id=f"r{ns.tp_rank}", keys=[keys], block_ids=[list(range(8))])
+            await kv.finish_request(f"r{ns.tp_rank}")
+            assert kv.lookup(ns, [keys]) == 2

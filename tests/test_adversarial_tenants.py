@@ -1,4 +1,4 @@
-"""Adversarial: tenants across a warm restart.
+"""Adversarial: tenants across a warm restart, and past the tenant bound.
 
 The nvme store records no tenant, so a warm restart gives every recovered chunk to the
 model's own namespace (docs/design.md says so). What follows from that is not documented
@@ -10,6 +10,9 @@ and breaks what the README promises tenants ("whose chunks no other tenant can r
   it as long as there is room;
 * the model's own namespace, handed the tenant's raw keys (KV events carry them to
   routers), reads the tenant's KV.
+
+And within one run: past ``max_tenants`` a new tenant counts in the model's own share,
+so other tenants' traffic evicts the model's chunks under its quota.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import msgspec
 from conftest import make_namespace
 from test_manager_data import engine_cache, same_blocks
 
-from tiered_kv import CpuTierConfig, NvmeTierConfig, TieredKV, TieredKVConfig, chunk_keys
+from tiered_kv import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, TieredKV, TieredKVConfig, chunk_keys
 
 NS = make_namespace()
 TENANT = msgspec.structs.replace(NS, cache_salt="acme")
@@ -78,3 +81,24 @@ async def test_before_a_restart_the_same_reads_are_misses(tmp_path: Path) -> Non
             await kv.load(NS, request_id="l", keys=[PROMPT_KEYS], block_ids=[list(range(32, 48))], num_tokens=64) == 0
         )
         assert not same_blocks(cache, range(16), range(32, 48))
+
+
+async def test_tenants_past_the_bound_never_evict_the_models_chunks_under_its_quota() -> None:
+    """partition.py's guarantee: a namespace at or under its quota never loses a chunk to
+    another namespace's traffic. Past ``max_tenants`` (with no idle share to reclaim) a new
+    tenant's chunks count in the model's own share, so they evict the model's own chunks,
+    quota or not. vLLM's per-request ``cache_salt`` makes many tenants ordinary."""
+    config = TieredKVConfig(
+        cpu=CpuTierConfig(capacity_bytes=CHUNK * 8), default_policy=NamespacePolicyConfig(quota_chunks={"cpu": 4})
+    )
+    async with TieredKV(config, max_tenants=2) as kv:
+        await kv.register(NS, [engine_cache(64)])
+        own = chunk_keys(NS, list(range(64)))  # the model's 4 chunks: its whole quota
+        await kv.store(NS, request_id="own", keys=[own], block_ids=[list(range(16))])
+        await kv.finish_request("own")
+        for i in range(1, 12):  # tenants that each keep a chunk: no share is idle
+            tenant = msgspec.structs.replace(NS, cache_salt=f"user-{i}")
+            keys = chunk_keys(tenant, list(range(i * 1000, i * 1000 + 16)))
+            await kv.store(tenant, request_id=f"t{i}", keys=[keys], block_ids=[list(range(16, 20))])
+            await kv.finish_request(f"t{i}")
+        assert kv.lookup(NS, [own]) == 4, "other tenants' stores evicted the model's chunks under its quota"
