@@ -54,6 +54,7 @@ def require_block_ids(table: Iterable[Any]) -> list[int]:
     """The block ids as ``int``s (numpy and torch integers too; never ``bool``)."""
     if type(table) is list and all(type(block) is int for block in table):
         return table
+    table = list(table)  # an iterator is walked twice below
     try:
         ids = [operator.index(block) for block in table]
     except TypeError:

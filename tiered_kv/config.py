@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import re
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,6 +22,22 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.registry import ADMISSION_FILTERS, POLICIES
 
 T = TypeVar("T")
+
+
+def _check_field_types(record: msgspec.Struct) -> None:
+    """Give a config built in Python the type checks a decoded one gets: each field converted
+    to its declared type (a write policy given as its string becomes the enum, a path its
+    string), or a :class:`ConfigError` naming the field."""
+    for field in msgspec.structs.fields(record):
+        value = getattr(record, field.name)
+        if field.type is str and isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        try:
+            converted = msgspec.convert(value, field.type)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{exc}, got {value!r}", field=field.name) from None
+        if converted is not getattr(record, field.name):
+            msgspec.structs.force_setattr(record, field.name, converted)
 
 
 def _require_positive(field: str, value: Any) -> None:
@@ -47,6 +64,7 @@ class CpuTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     capacity_bytes: int
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         _require_positive("capacity_bytes", self.capacity_bytes)
 
 
@@ -59,6 +77,7 @@ class NvmeTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     io_depth: int = 8
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         if not self.root:
             raise ConfigError("must not be empty", field="root")
         _require_positive("capacity_bytes", self.capacity_bytes)
@@ -95,6 +114,7 @@ class RemoteTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     password_file: str | None = None
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         if (self.url is None) == (not self.cluster_nodes):
             raise ConfigError("give either url or cluster_nodes", field="url")
         if self.url is not None:
@@ -157,6 +177,7 @@ class NamespacePolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     nvme_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         if not self.policy:
             raise ConfigError("must not be empty", field="policy")
         for tier, quota in self.quota_chunks.items():
@@ -183,6 +204,9 @@ class TieredKVConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     default_policy: NamespacePolicyConfig = msgspec.field(default_factory=NamespacePolicyConfig)
     #: Per-namespace overrides, keyed by model id.
     namespaces: dict[str, NamespacePolicyConfig] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
 
     def policy_for(self, model_id: str) -> NamespacePolicyConfig:
         return self.namespaces.get(model_id, self.default_policy)

@@ -12,6 +12,8 @@ import bisect
 import collections
 from collections.abc import Iterable
 
+from tiered_kv.checks import is_int_at_least
+from tiered_kv.errors import TieredKVError
 from tiered_kv.interfaces import TierStats
 from tiered_kv.keys import ChunkKey
 from tiered_kv.stats import (
@@ -53,6 +55,8 @@ class Telemetry:
 
     def drain_events(self, max_events: int | None = None) -> list[KVEvent]:
         """Take up to ``max_events`` KV events (all when ``None``), oldest first."""
+        if max_events is not None and not is_int_at_least(max_events, 0):
+            raise TieredKVError(f"max_events must be a non-negative integer or None, got {max_events!r}")
         count = len(self._events) if max_events is None else min(max_events, len(self._events))
         return [self._events.popleft() for _ in range(count)]
 
