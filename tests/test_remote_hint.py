@@ -32,8 +32,8 @@ A, B = "tenant-a", "tenant-b"
 def likely_prefix(hint: ResidencyHint, keys: list[bytes], namespace: str = A) -> int:
     """The run of leading keys the hint believes present; where it stops, probes are queued
     (what the control plane's lookup does past the local tiers)."""
-    for i, key in enumerate(keys):
-        if not hint.likely(key, namespace):
+    for i, chunk in enumerate(keys):
+        if not hint.likely(chunk, namespace):
             hint.probe_from(keys, i, namespace)
             return i
     return len(keys)
