@@ -391,8 +391,11 @@ class ControlPlane:
             n, _, _ = pool.ready_prefix(group_keys, owner, n)
             full.append((pool, group_keys))
         for pool, group_keys in windowed:
-            if n and pool.hint is not None:
-                self._probe_window(pool, group_keys, n, owner)
+            if pool.hint is not None:
+                # The window at the whole prompt (where probes of the full groups may
+                # take the prefix) and the window at the prefix found now.
+                for at in {asked, n} - {0}:
+                    self._probe_window(pool, group_keys, at, owner)
         while n and not all(self._window_ready(pool, group_keys, n, owner) for pool, group_keys in windowed):
             n -= 1
         slowest = ["cpu"] * n
