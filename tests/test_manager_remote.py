@@ -185,6 +185,22 @@ async def test_what_one_engine_stores_another_loads_bit_exact_after_one_probe_ro
         assert "remote~4" in repr(b.kv)
 
 
+async def test_a_lookup_of_keys_that_are_not_chunk_keys_probes_nothing_and_the_manager_keeps_serving(
+    valkey: ValkeyServer,
+) -> None:
+    """Regression (found by the malformed-call test): such a key was queued for a probe,
+    whose background task then failed naming it on the server, and disabled the manager."""
+    async with contextlib.AsyncExitStack() as stack:
+        a = await open_engine(stack, kv_config(remote_config(valkey)), seed=60)
+        for bad in (["a string key"], [b"short"], [7], [(1, 2)], [b"x" * 17]):
+            assert a.kv.lookup(NS, [bad]) == 0  # type: ignore[list-item]
+        await a.kv.drain()
+        assert a.kv.statistics().remote[0].hint.probes_taken == 0
+        keys = prompt(2, start=1900)
+        await a.store(keys)
+        assert a.kv.lookup(NS, [keys]) == 2
+
+
 async def test_a_chunk_the_server_lost_is_a_miss_that_keeps_the_good_prefix_and_corrects_the_hint(
     valkey: ValkeyServer,
 ) -> None:

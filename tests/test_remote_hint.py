@@ -83,6 +83,15 @@ def test_a_probe_answer_extends_the_prefix_or_stops_asking_until_it_expires() ->
     assert hint.take_probes(10) == [(k(1), A)], "once the absent entry expired, it is probed again"
 
 
+def test_what_is_not_a_chunk_key_is_never_queued_for_a_probe() -> None:
+    hint = ResidencyHint(16, probe_ahead=4)
+    keys: list[object] = [k(0), "a string key", k(1)]
+    hint.probe_from(keys, 0, A)  # type: ignore[arg-type]
+    hint.probe_from([b"short", k(2)], 0, A)
+    hint.probe_from([7, k(3)], 0, A)  # type: ignore[list-item]
+    assert hint.take_probes(10) == [(k(0), A)]
+
+
 def test_the_probe_queue_is_bounded_and_counts_what_it_dropped() -> None:
     hint = ResidencyHint(4, probe_capacity=3, probe_ahead=1)
     for i in range(5):

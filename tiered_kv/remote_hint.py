@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 import msgspec
 
 from tiered_kv.checks import is_int_at_least
-from tiered_kv.keys import ChunkKey
+from tiered_kv.keys import KEY_BYTES, ChunkKey
 
 
 class ResidencyHintStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,9 +104,13 @@ class ResidencyHint:
 
     def probe_from(self, keys: Sequence[ChunkKey], start: int, namespace: str) -> None:
         """``keys[start]`` is in no tier: queue it, and the keys right after it up to
-        ``probe_ahead`` in all, for probing, stopping at the first known either way."""
+        ``probe_ahead`` in all, for probing, stopping at the first known either way. A
+        lookup may be handed anything hashable as a key: what is not a chunk key is
+        never queued (it could not be named on the store), and ends the run."""
         present = self._present
         for key in keys[start : start + self.probe_ahead]:
+            if type(key) is not bytes or len(key) != KEY_BYTES:
+                return
             if present.get(key) == namespace or self.known_absent(key, namespace):
                 return
             self._want_probe(key, namespace)
