@@ -865,12 +865,7 @@ class TieredKV:
         if pool.nvme is None:
             return
         keys = [key for key in keys if key not in pool.nvme]
-        if not keys:
-            return
-        try:
-            self._write_behind_budget.take_nowait(len(keys))
-        except TieredKVError:
-            log.info("store.skipped", tier="nvme", namespace=pool.fingerprint, n_chunks=len(keys), reason="queue full")
+        if not keys or not self._take_room(self._write_behind_budget, "nvme", pool, len(keys)):
             return
         task = self._scheduler.spawn(self._copy_to_nvme(pool, keys), name="write-behind")
         task.add_done_callback(lambda _: self._write_behind_budget.give(len(keys)))
@@ -879,14 +874,7 @@ class TieredKV:
         assert pool.hint is not None
         fingerprint = namespace.fingerprint_hex
         keys = [key for key in keys if not pool.hint.likely(key, fingerprint)]
-        if not keys:
-            return
-        try:
-            self._remote_write_budget.take_nowait(len(keys))
-        except TieredKVError:
-            log.info(
-                "store.skipped", tier="remote", namespace=pool.fingerprint, n_chunks=len(keys), reason="queue full"
-            )
+        if not keys or not self._take_room(self._remote_write_budget, "remote", pool, len(keys)):
             return
         task = self._scheduler.spawn(self._copy_to_remote(pool, keys, namespace), name="remote-write")
         task.add_done_callback(lambda _: self._remote_write_budget.give(len(keys)))
@@ -920,6 +908,17 @@ class TieredKV:
                 reason="the store did not take them",
             )
 
+    @staticmethod
+    def _take_room(queue: Budget, tier: str, pool: Pool, n: int) -> bool:
+        """Take room for ``n`` chunks in a bounded write queue; false (logged) when it is
+        full: then they are simply not written to ``tier``."""
+        try:
+            queue.take_nowait(n)
+        except TieredKVError:
+            log.info("store.skipped", tier=tier, namespace=pool.fingerprint, n_chunks=n, reason="queue full")
+            return False
+        return True
+
     async def _copy_to_nvme(self, pool: Pool, keys: list[ChunkKey]) -> None:
         """Write-through and selective: copy READY cpu chunks to nvme, pinned meanwhile."""
         write = self._control.plan_nvme_copy(pool, keys)
@@ -946,14 +945,7 @@ class TieredKV:
         """One write per namespace, of the chunks whose namespace this manager still knows,
         as far as the remote write queue has room."""
         known = [victim for victim in evicted if victim.namespace in self._tenants]
-        if not known:
-            return
-        try:
-            self._remote_write_budget.take_nowait(len(known))
-        except TieredKVError:
-            log.info(
-                "store.skipped", tier="remote", namespace=pool.fingerprint, n_chunks=len(known), reason="queue full"
-            )
+        if not known or not self._take_room(self._remote_write_budget, "remote", pool, len(known)):
             return
         try:
             writes = [(w, self._tenants[w.namespace]) for w in self._control.plan_remote_spill(pool, known)]
