@@ -10,6 +10,8 @@ temporary directory (or ``--nvme-dir``).
 Time to first token is modelled: recomputing ``t`` tokens costs
 ``t / --prefill-tokens-per-s``; a request served from cache pays the measured load time
 plus recomputing what missed. The gain is the ratio of the two totals.
+
+Then the two-engine trace (:mod:`tiered_kv.bench.sharing`): what a shared remote tier buys.
 """
 
 from __future__ import annotations
@@ -98,10 +100,14 @@ class WorkloadSection:
             rows=rows,
             note="TTFT: mean per request; cached = measured load time + modelled recompute of the misses",
         )
+        from tiered_kv.bench.sharing import TRACE, sharing_table, two_engine_figures  # it imports this module
+
+        progress.step(len(TRACES), len(TRACES), "two engines")
+        sharing = asyncio.run(two_engine_figures(traces[TRACE], namespace, args))
         figures = WorkloadFigures(
-            model=namespace.model_id, prefill_tokens_per_s=args.prefill_tokens_per_s, traces=results
+            model=namespace.model_id, prefill_tokens_per_s=args.prefill_tokens_per_s, traces=results, sharing=sharing
         )
-        return SectionResult(payload=figures, tables=[table])
+        return SectionResult(payload=figures, tables=[table, sharing_table(sharing)])
 
 
 async def _replay(
