@@ -40,6 +40,7 @@ from tiered_kv import (
     window_span,
 )
 from tiered_kv.config import RemoteTierConfig
+from tiered_kv.errors import ConfigError
 from tiered_kv.namespace import Namespace
 from tiered_kv.stats import KVEventKind
 from tiered_kv.testing.valkey_server import ValkeyServer, free_port
@@ -365,6 +366,18 @@ async def test_an_unreachable_server_costs_misses_never_a_hang_and_the_local_tie
             assert a.kv.statistics().remote[0].driver.failed > 0
 
     await asyncio.wait_for(scenario(), NO_HANG_S)
+
+
+async def test_a_remote_tier_that_cannot_open_fails_registration_and_leaves_nothing_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TKV_NO_SUCH_PASSWORD", raising=False)
+    remote = RemoteTierConfig(url="redis://127.0.0.1:1", password_env="TKV_NO_SUCH_PASSWORD")
+    async with TieredKV(kv_config(remote)) as kv:
+        with pytest.raises(ConfigError, match="TKV_NO_SUCH_PASSWORD"):
+            await kv.register(NS, [engine_cache(NUM_BLOCKS)])
+        assert repr(kv) == "<TieredKV unregistered inflight=0>"
+        assert kv.statistics().drivers == []
 
 
 async def test_sigkill_during_loads_and_stores_loses_only_remote_chunks_then_sharing_resumes_on_restart(
