@@ -225,6 +225,7 @@ SMALL = [
     "--overhead-requests", "20",
     "--key-tokens", "1024",
     "--key-repeats", "1",
+    "--max-chunks", "10000",
 ]  # fmt: skip
 
 

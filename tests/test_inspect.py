@@ -15,7 +15,8 @@ import pytest
 import torch
 from conftest import make_namespace
 from tiered_kv.tiers.nvme import NvmeTier
-from tiered_kv.tiers.nvme_format import HEADER_BYTES, Manifest, decode_manifest, encode_manifest
+from tiered_kv.tiers.nvme_format import HEADER_BYTES
+from tiered_kv.tiers.nvme_journal import encode_frame, write_record
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
 from tiered_kv.cli import main
@@ -170,17 +171,16 @@ def copy_slot_0_to_2(root: Path) -> None:
 
 
 def list_another_key_for_slot_0(root: Path) -> None:
-    path = store_dir(root) / "g0.manifest"
-    listed = decode_manifest(path.read_bytes())
-    chunks = listed.chunks | {0: key(9, 9)}
-    path.write_bytes(encode_manifest(Manifest(fingerprint=listed.fingerprint, group=0, slot_bytes=SLOT, chunks=chunks)))
+    """A journal frame (the first since the close compacted it) says slot 0 holds another key."""
+    with (store_dir(root) / "g0.journal").open("ab") as f:
+        f.write(encode_frame(0, write_record(0, key(9, 9))))
 
 
 DAMAGES = {
     "header zeroed": (lambda root: patch(root, 0, 0, bytes(HEADER_BYTES)), 0, "slot 0 holds no chunk header"),
     "header field flipped": (lambda root: flip_byte(root, 0, 30), 0, "slot 0: header checksum mismatch"),
     "misdirected write": (copy_slot_0_to_2, 2, "slot 2: header written for slot 0"),
-    "manifest lists another key": (list_another_key_for_slot_0, 0, "slot 0 holds another chunk"),
+    "journal lists another key": (list_another_key_for_slot_0, 0, "slot 0 holds another chunk"),
     "slots file truncated": (
         lambda root: os.truncate(store_dir(root) / "g0.slots", 2 * STRIDE + HEADER_BYTES + 100),
         2,
@@ -210,6 +210,7 @@ async def test_inspect_of_a_store_in_use_changes_nothing_and_leaves_it_usable(
     root = tmp_path / "nvme"
     live = await open_group(root, 0)
     await write_group(live, 3)
+    await live.sync()  # inspect sees what is committed
     before = snapshot(live.directory)
     code, report, _ = inspect_cli(capsys, root, "--verify")
     assert code == 0 and row(report, 0)[-1] == "3/3"
@@ -240,11 +241,15 @@ async def test_each_namespace_of_a_root_is_listed(store: Path, capsys: pytest.Ca
     assert "2 store(s), 6 chunks" in report
 
 
-def test_an_unreadable_manifest_is_damage_that_verify_reports(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (store_dir(store) / "g1.manifest").write_bytes(b"not msgpack")
+def test_an_unreadable_slot_map_is_damage_that_verify_reports(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (store_dir(store) / "g1.checkpoint").write_bytes(b"not a checkpoint")
+    (store_dir(store) / "g1.journal").write_bytes(b"")
     code, report, _ = inspect_cli(capsys, store)
     assert code == 0, "without --verify the exit status does not judge"
-    assert "problem: group 1: the manifest is unreadable" in report
+    assert damage_lines(report) == [
+        "problem: group 1: the checkpoint is unreadable (cut short (16 bytes))",
+        "problem: group 1: the journal is unreadable (cut short (0 bytes))",
+    ]
     assert row(report, 1)[6:9] == ["?", "?", "0"]
     code, _, _ = inspect_cli(capsys, store, "--verify")
     assert code == 1
@@ -311,3 +316,28 @@ def test_the_console_command_exits_1_on_a_corrupt_store(store: Path) -> None:
     assert result.returncode == 1, result.stderr
     assert "model acme/hybrid" in result.stdout
     assert f"corrupt: group 1: slot 1: payload checksum mismatch (key {key(1, 1).hex()})" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["g0.slots", "g0.checkpoint", "g0.journal", "namespace.json"])
+def test_a_store_file_that_is_a_link_is_damage_and_is_not_followed(
+    store: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    (store_dir(store) / name).rename(elsewhere)
+    (store_dir(store) / name).symlink_to(elsewhere)
+    code, report, _ = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    where = "" if name == "namespace.json" else "group 0: "
+    assert f"problem: {where}{name} is a symbolic link: opening this store is refused" in damage_lines(report)
+
+
+def test_a_store_directory_that_is_a_link_is_damage_and_is_not_followed(
+    store: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    store_dir(store).rename(elsewhere)
+    store_dir(store).symlink_to(elsewhere, target_is_directory=True)
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    assert damage_lines(report) == ["problem: it is a symbolic link: opening this store is refused"]
+    assert [entry["groups"] for entry in document["stores"]] == [[]]

@@ -1,5 +1,5 @@
 """What the drivers share: waiting out worker threads on cancel, batches split for threads,
-the nvme slot header and manifest."""
+the nvme slot header."""
 
 from __future__ import annotations
 
@@ -11,9 +11,6 @@ import pytest
 from tiered_kv.tiers._driver import in_threads, settle, split
 from tiered_kv.tiers.nvme_format import (
     MAX_KEY_BYTES,
-    Manifest,
-    decode_manifest,
-    encode_manifest,
     pack_header,
     payload_checksum,
     read_header,
@@ -127,8 +124,3 @@ def test_a_header_of_another_namespace_or_slot_is_refused() -> None:
 def test_keys_longer_than_the_header_holds_are_refused() -> None:
     with pytest.raises(ValueError):
         pack_header(fingerprint=FINGERPRINT, slot=0, key=bytes(MAX_KEY_BYTES + 1), length=1, checksum=bytes(16))
-
-
-def test_a_manifest_round_trips() -> None:
-    manifest = Manifest(fingerprint=FINGERPRINT, group=1, slot_bytes=4096, chunks={3: b"a" * 16, 0: b"b" * 16})
-    assert decode_manifest(encode_manifest(manifest)) == manifest

@@ -58,7 +58,7 @@ def test_every_entry_point_names_a_module_of_the_wheel(wheel: Path) -> None:
     entry_points = configparser.ConfigParser()
     entry_points.read_string(archive.read(next(n for n in names if n.endswith("entry_points.txt"))).decode())
     assert dict(entry_points["console_scripts"]) == {"tiered-kv": "tiered_kv.cli:main"}
-    assert set(entry_points["tiered_kv.tiers"]) == {"gpu", "cpu", "nvme"}
+    assert set(entry_points["tiered_kv.tiers"]) == {"gpu", "cpu", "nvme", "remote"}
     assert set(entry_points["tiered_kv.policies"]) == {"lru", "arc", "s3fifo"}
     for group in ("tiered_kv.tiers", "tiered_kv.policies", "tiered_kv.admission"):
         for target in entry_points[group].values():

@@ -35,6 +35,7 @@ from tiered_kv.errors import (
     TieredKVError,
     TierError,
     UnknownPluginError,
+    UnsafeStore,
 )
 from tiered_kv.keys import (
     ChunkKey,
@@ -114,6 +115,7 @@ __all__ = [
     "TieredKVConfig",
     "TieredKVError",
     "UnknownPluginError",
+    "UnsafeStore",
     "WritePolicy",
     "__version__",
     "block_hashes",

@@ -302,12 +302,17 @@ class ControlPlane:
         for pool in self._by_base.pop(base.fingerprint_hex, []):
             del self.pools[pool.id]
 
-    def restore(self, pool: Pool, recovered: Iterable[tuple[ChunkKey, int]]) -> None:
-        """Record the chunks a reopened nvme store holds (key, slot). A warm restart cannot
-        tell which tenant stored a chunk: it belongs to the model's own namespace."""
+    def restore(self, pool: Pool, keys: Sequence[ChunkKey], slots: Sequence[int]) -> None:
+        """Record a batch of the chunks a reopened nvme store holds (keys, their slots);
+        :meth:`restored` after the last batch. A warm restart cannot tell which tenant
+        stored a chunk: they belong to the model's own namespace."""
         assert pool.nvme is not None
-        for key, slot in recovered:
-            pool.nvme.restore(key, slot, pool.fingerprint)
+        pool.nvme.restore_many(keys, slots, pool.fingerprint)
+
+    def restored(self, pool: Pool) -> None:
+        """The last batch of :meth:`restore` is in: the pool is ready for use."""
+        assert pool.nvme is not None
+        pool.nvme.settle()
 
     def pools_of(self, namespace: Namespace) -> list[Pool]:
         """The pools of ``namespace``'s model runner, one per KV group."""

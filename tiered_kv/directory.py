@@ -13,8 +13,10 @@ and, optionally, a quota of chunks another namespace's traffic cannot take.
 from __future__ import annotations
 
 import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
+
+import numpy as np
 
 from tiered_kv.errors import TieredKVError
 from tiered_kv.keys import ChunkKey
@@ -226,6 +228,25 @@ class TierIndex:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         self._allocator.claim(slot)
         self._occupy(key, slot, owner, owner if namespace is None else namespace, READY)
+
+    def restore_many(self, keys: Sequence[ChunkKey], slots: Sequence[int], namespace: str) -> None:
+        """Record READY chunks of ``namespace`` (their own share) already held in ``slots``:
+        a warm restart, a batch at a time, in C-speed steps where Python allows. Call
+        :meth:`settle` after the last batch, before anything else."""
+        before = len(self._slots)
+        self._slots.update(zip(keys, slots, strict=True))
+        if len(self._slots) != before + len(keys):
+            raise TieredKVError(f"{self.tier}: a restored chunk is already resident")
+        self._allocator.claim_many(slots)
+        np.frombuffer(self._state, dtype=np.uint8)[np.asarray(slots, dtype=np.int64)] = READY
+        names = self._namespace
+        for slot in slots:
+            names[slot] = namespace
+        self._partition.insert_many(namespace, keys)
+
+    def settle(self) -> None:
+        """End a warm restart's :meth:`restore_many` batches: the free slots are known."""
+        self._allocator.settle()
 
     def hit(self, key: ChunkKey) -> int:
         """Count a hit on a READY chunk; the new hit count (it stops counting at 65535; 0

@@ -88,6 +88,17 @@ class CorruptStore(TierError):
     tampering gets it there, because a store's directory is named after its namespace."""
 
 
+class UnsafeStore(TierError):
+    """A path of an nvme store could put its files in someone else's hands: a symbolic
+    link, not a regular file or directory, owned by another user, or writable by group or
+    others. The store is refused; ``path`` and ``reason`` say which and why."""
+
+    def __init__(self, path: str, reason: str, *, tier: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path} {reason}: refused", tier=tier)
+
+
 class TierClosedError(TierError):
     """The driver was used after :meth:`close`."""
 

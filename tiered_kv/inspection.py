@@ -23,26 +23,27 @@ if TYPE_CHECKING:
 
 
 class CorruptSlot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A slot that a manifest lists whose chunk fails verification: a reopen drops it."""
+    """A slot that a slot map lists whose chunk fails verification: the store refuses to
+    serve it (a read fails, and the core drops it)."""
 
     slot: int
-    #: The chunk key the manifest lists for the slot, in hex.
+    #: The chunk key the slot map lists for the slot, in hex.
     key: str
     #: What is wrong, e.g. ``slot 3: payload checksum mismatch``.
     reason: str
 
 
 class GroupReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One KV group's store: its shape, its slots file and what its manifest lists."""
+    """One KV group's store: its shape, its slots file and what its slot map lists."""
 
     group: int
     #: The group's attention kind and shape from the namespace record; None without one.
     layout: KVGroup | None
-    #: Payload bytes a slot holds, from the manifest; None without a readable manifest.
+    #: Payload bytes a slot holds, from the slot map; None without a readable slot map.
     slot_bytes: int | None
     #: Slots the slots file has room for; None when ``slot_bytes`` is unknown.
     slots: int | None
-    #: Chunks the manifest lists.
+    #: Chunks the slot map (checkpoint and journal) lists, as a reopen would restore them.
     chunks: int
     #: KV bytes those chunks hold (``chunks × slot_bytes``).
     chunk_bytes: int
@@ -51,7 +52,8 @@ class GroupReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     #: Chunks that passed verification; None when not verified.
     verified: int | None = None
     corrupt: tuple[CorruptSlot, ...] = ()
-    #: Damage to the group's files as a whole (an unreadable manifest, one of another group).
+    #: Damage to the group's files as a whole (an unreadable checkpoint, a journal of
+    #: another group, a link where a file should be).
     problems: tuple[str, ...] = ()
 
 

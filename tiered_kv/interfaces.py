@@ -103,6 +103,10 @@ class RecoverableTier(TierDriver, Protocol):
         """Stop vouching for what ``slots`` hold (the core dropped those chunks)."""
         ...
 
+    async def sync(self) -> None:
+        """Make every write that has returned durable (:meth:`TieredKV.drain` awaits it)."""
+        ...
+
 
 class TierFactory(Protocol):
     """Builds the drivers of one pool; injected so tests and benches can swap media."""

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -78,6 +79,9 @@ from tiered_kv.stats import KVEvent, RemotePoolStatistics, Statistics
 from tiered_kv.telemetry import Telemetry
 
 log = get_logger("manager")
+
+#: Chunks a warm restart records between two returns to the event loop (about a ms).
+RESTORE_BATCH = 4096
 
 
 class StoreResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -315,7 +319,7 @@ class TieredKV:
             try:
                 for pool, drivers in zip(pools, opened, strict=True):
                     if drivers.nvme is not None:
-                        self._control.restore(pool, drivers.nvme.recovered().items())
+                        await self._restore(pool, drivers.nvme.recovered())
             except BaseException:
                 self._control.remove_pools(base)
                 raise
@@ -339,6 +343,16 @@ class TieredKV:
                 remote=drivers.remote is not None,
             )
         self._ranks[base.fingerprint_hex] = set()
+
+    async def _restore(self, pool: Pool, recovered: dict[ChunkKey, int]) -> None:
+        """A warm restart's chunks into the pool's nvme index, a batch at a time, giving the
+        event loop back between batches: a store of a million chunks must not hold it."""
+        items = iter(recovered.items())
+        while batch := list(itertools.islice(items, RESTORE_BATCH)):
+            keys, slots = zip(*batch, strict=True)
+            self._control.restore(pool, keys, slots)
+            await asyncio.sleep(0)
+        self._control.restored(pool)
 
     async def _open_drivers(self, base: Namespace, group: int, cpu_slots: int, nvme_slots: int) -> _Drivers:
         chunk_bytes = base.geometry.chunk_bytes(group)
@@ -1065,9 +1079,13 @@ class TieredKV:
         self._check()
 
     async def drain(self) -> None:
-        """Return once every background copy (stores, write-behind, promotions) is done."""
+        """Return once every background copy (stores, write-behind, promotions) is done
+        and every chunk stored so far is durable."""
         self._check()
         await self._scheduler.drain()
+        for drivers in list(self._drivers.values()):
+            if drivers.nvme is not None:
+                await drivers.nvme.sync()
         self._check()
 
     # -- observation -------------------------------------------------------------------

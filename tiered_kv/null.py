@@ -58,6 +58,9 @@ class NullTier(DriverBase):
     def forget(self, slots: Iterable[int]) -> None:
         pass
 
+    async def sync(self) -> None:
+        self._check_open()
+
     async def close(self) -> None:
         self._closed = True
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import ConfigError, PolicyError
@@ -140,6 +140,16 @@ class TierPartition:
             raise PolicyError(f"tier {self.tier} is full ({self.capacity} chunks); make room first")
         share.policy.insert(key)
         self._used += 1
+
+    def insert_many(self, namespace: str, keys: Sequence[ChunkKey]) -> None:
+        """:meth:`insert` of each of ``keys``, in order (a warm restart's batches)."""
+        share = self._share(namespace)
+        if self._used + len(keys) > self.capacity:
+            raise PolicyError(f"tier {self.tier} is full ({self.capacity} chunks); make room first")
+        insert = share.policy.insert
+        for key in keys:
+            insert(key)
+        self._used += len(keys)
 
     def touch(self, namespace: str, key: ChunkKey) -> None:
         """Record a hit on ``key``."""

@@ -1,4 +1,4 @@
-"""The nvme tier's on-disk format: the slot header and the manifest.
+"""The nvme tier's on-disk format: the slot header, the namespace record, file names.
 
 Every slot starts with a 4 KiB header block (so the payload stays aligned for
 ``O_DIRECT``); the header's fields fit in its first 512-byte sector, which a disk writes
@@ -7,8 +7,8 @@ namespace fingerprint, slot index (a misdirected write is caught), chunk key, pa
 length — plus an xxh3-128 checksum of the payload and an xxh3-64 checksum of the header
 itself. A reader that disagrees with any field gets :class:`CorruptChunk`, never bytes.
 
-The manifest lists which slot holds which key. It is a hint for warm restart, not a
-source of truth: every entry is verified against its slot before it is served again.
+Which slot holds which key is the slot map's business (:mod:`tiered_kv.tiers.nvme_journal`):
+a hint for warm restart, never a source of truth, since every read verifies its slot.
 
 ``namespace.json`` records, once per store directory, the namespace its chunks belong to
 (model, dtype, geometry), so that a directory says what it holds without the
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 import struct
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Literal
 
 import msgspec
@@ -45,17 +45,20 @@ NAMESPACE_FILE = "namespace.json"
 _FIXED = struct.Struct("<8sHHIQQ32s16s")
 _CHECK = struct.Struct("<Q")
 _TIER = "nvme"
-_GROUP_FILE = re.compile(r"g(\d+)\.(?:slots|manifest)")
+_GROUP_FILE = re.compile(r"g(\d+)\.(?:slots|checkpoint|journal)")
+GroupFile = Literal["slots", "checkpoint", "journal", "lock"]
 
 
-def group_file(directory: Path, group: int, kind: Literal["slots", "manifest", "lock"]) -> Path:
-    """The slots file, manifest or lock file of KV group ``group`` in a store directory."""
-    return directory / f"g{group}.{kind}"
+def group_file(group: int, kind: GroupFile) -> str:
+    """The name of KV group ``group``'s slots file, checkpoint, journal or lock file in
+    its store directory."""
+    return f"g{group}.{kind}"
 
 
-def store_groups(directory: Path) -> list[int]:
-    """The KV groups that have a slots file or a manifest in ``directory``, in order."""
-    return sorted({int(match[1]) for path in directory.iterdir() if (match := _GROUP_FILE.fullmatch(path.name))})
+def store_groups(names: Iterable[str]) -> list[int]:
+    """The KV groups that have a slots file, a checkpoint or a journal among a store
+    directory's file ``names``, in order."""
+    return sorted({int(match[1]) for name in names if (match := _GROUP_FILE.fullmatch(name))})
 
 
 def slot_stride(slot_bytes: int) -> int:
@@ -135,31 +138,11 @@ def verify_slot(
         raise CorruptChunk(f"slot {slot}: payload checksum mismatch", tier=_TIER)
 
 
-class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Which slot holds which chunk key, for one namespace and KV group."""
-
-    format: int = FORMAT_VERSION
-    fingerprint: bytes
-    group: int
-    slot_bytes: int
-    #: slot index → chunk key
-    chunks: dict[int, bytes]
-
-
-def encode_manifest(manifest: Manifest) -> bytes:
-    return msgspec.msgpack.encode(manifest)
-
-
-def decode_manifest(data: bytes) -> Manifest:
-    """The manifest in ``data``; ``msgspec.DecodeError`` (a ``ValueError``) when it is not one."""
-    return msgspec.msgpack.decode(data, type=Manifest)
-
-
 def encode_namespace(namespace: Namespace) -> bytes:
     """``namespace`` as indented JSON, for people as much as for programs."""
     return msgspec.json.format(msgspec.json.encode(namespace), indent=2) + b"\n"
 
 
-def decode_namespace(data: bytes) -> Namespace:
+def decode_namespace(data: bytes | bytearray) -> Namespace:
     """The namespace in ``data``; ``msgspec.DecodeError`` (a ``ValueError``) when it is not one."""
     return msgspec.json.decode(data, type=Namespace)

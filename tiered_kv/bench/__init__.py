@@ -50,10 +50,11 @@ def _sections() -> list[BenchSection]:
     from tiered_kv.bench.keys import KeysSection
     from tiered_kv.bench.overhead import OverheadSection
     from tiered_kv.bench.policies import PoliciesSection
+    from tiered_kv.bench.scale import ScaleSection
     from tiered_kv.bench.tiers import TiersSection
     from tiered_kv.bench.workload import WorkloadSection
 
-    return [TiersSection(), WorkloadSection(), PoliciesSection(), OverheadSection(), KeysSection()]
+    return [TiersSection(), WorkloadSection(), PoliciesSection(), OverheadSection(), KeysSection(), ScaleSection()]
 
 
 def model_preset(section: BenchSection) -> str | None:

@@ -18,6 +18,7 @@ import gc
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -33,6 +34,11 @@ from tiered_kv.namespace import Namespace
 #: The issue's limit for store and load through the whole async path.
 TARGET_US_PER_CHUNK = 20.0
 TARGET_LOOKUP_KEYS_PER_S = 1_000_000
+#: One lookup of one key, per call (issue 10), and how much slower a tenant's may be.
+TARGET_LOOKUP_US_PER_CALL = 1.5
+TARGET_TENANT_LOOKUP_RATIO = 1.10
+#: Lookup calls timed per case (each case is the best of three rounds).
+LOOKUP_CALLS = 20_000
 #: A filtered event may cost this many times a structlog logger bound once.
 TARGET_LOG_RATIO = 2.0
 #: GPU blocks per chunk: small chunks, so that per-block work shows in the per-chunk cost.
@@ -60,6 +66,18 @@ class OverheadSection:
             ["store (submit + finish)", f"{figures.store_us_per_chunk:.2f} us/chunk", target],
             ["load (from cpu)", f"{figures.load_us_per_chunk:.2f} us/chunk", target],
             ["lookup", f"{figures.lookup_keys_per_s / 1e6:.2f} M keys/s", f">= {TARGET_LOOKUP_KEYS_PER_S / 1e6:.2f}"],
+            [
+                "lookup, per call, 1 chunk",
+                f"{figures.lookup_us_per_call_1:.2f} us/call",
+                f"<= {TARGET_LOOKUP_US_PER_CALL:.1f}",
+            ],
+            ["lookup, per call, 8 chunks", f"{figures.lookup_us_per_call_8:.2f} us/call", ""],
+            [
+                "lookup, per call, 1 chunk, a tenant",
+                f"{figures.tenant_lookup_us_per_call_1:.2f} us/call "
+                f"({figures.tenant_lookup_us_per_call_1 / figures.lookup_us_per_call_1:.2f}x the model's)",
+                f"<= {TARGET_TENANT_LOOKUP_RATIO:.2f}x",
+            ],
             ["filtered debug event, logging unconfigured", f"{log.unconfigured_us:.2f} us/event", log_target],
             ["filtered debug event, structlog cached (CLI)", f"{log.cached_us:.2f} us/event", log_target],
             ["  a structlog logger bound once", f"{log.bound_us:.2f} us/event", ""],
@@ -139,6 +157,15 @@ async def measure(
                 kv.lookup(namespace, [flat])
                 rounds += 1
             lookup_s = time.perf_counter() - started
+            tenant = msgspec.structs.replace(namespace, lora_id="bench-tenant")
+            tenant_keys = chunk_keys(tenant, list(range(tokens)))
+            await kv.store(tenant, request_id="tenant", keys=[tenant_keys], block_ids=[blocks])
+            await kv.finish_request("tenant")
+            per_call = {
+                "1": _per_call(kv.lookup, namespace, [[keys[r][0]] for r in range(requests)]),
+                "8": _per_call(kv.lookup, namespace, [keys[r][:8] for r in range(requests)]),
+                "tenant 1": _per_call(kv.lookup, tenant, [tenant_keys[:1]]),
+            }
         finally:
             gc.unfreeze()
         progress.step(4, 4, "done")
@@ -148,8 +175,25 @@ async def measure(
         store_us_per_chunk=store_s * 1e6 / total,
         load_us_per_chunk=load_s * 1e6 / total,
         lookup_keys_per_s=rounds * len(flat) / lookup_s,
+        lookup_us_per_call_1=per_call["1"],
+        lookup_us_per_call_8=per_call["8"],
+        tenant_lookup_us_per_call_1=per_call["tenant 1"],
         log_event_us_unconfigured=log.unconfigured_us,
         log_event_us_cached=log.cached_us,
         log_event_us_bound=log.bound_us,
         log_event_us_proxy=log.proxy_us,
     )
+
+
+def _per_call(
+    lookup: Callable[[Namespace, list[list[bytes]]], int], namespace: Namespace, prompts: list[list[bytes]]
+) -> float:
+    """µs per ``lookup`` call over ``prompts`` in turn, one call at a time: best of 3 rounds."""
+    calls = [[prompts[i % len(prompts)]] for i in range(LOOKUP_CALLS)]
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        for call in calls:
+            lookup(namespace, call)
+        best = min(best, time.perf_counter() - started)
+    return best * 1e6 / len(calls)

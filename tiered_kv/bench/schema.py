@@ -99,6 +99,11 @@ class OverheadFigures(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     store_us_per_chunk: float
     load_us_per_chunk: float
     lookup_keys_per_s: float
+    #: One ``lookup`` call at a time, as an engine makes them for each waiting request every
+    #: step: µs per call for 1 and for 8 resident chunks, a model's namespace and a tenant's.
+    lookup_us_per_call_1: float
+    lookup_us_per_call_8: float
+    tenant_lookup_us_per_call_1: float
     #: A filtered debug event: with logging unconfigured (a fresh interpreter), through
     #: structlog configured as the CLI does (cached), a structlog logger bound once (the
     #: yardstick), and structlog's lazy proxy without caching.
@@ -123,6 +128,49 @@ class KeysFigures(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     cases: list[KeysCase]
 
 
+class ScaleCheck(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One figure of a size against its target: ``value <= target`` when ``at_most``."""
+
+    figure: str
+    value: float
+    target: float
+    at_most: bool
+    met: bool
+    #: The nvme driver's share or its figure alone, as printed.
+    driver: str
+
+
+class ScaleSize(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    chunks: int
+    stall_max_ms: float
+    stall_p99_ms: float
+    #: The longest pass of Python's cyclic garbage collector while storing (it holds the loop).
+    gc_pause_max_ms: float
+    store_chunks_per_s: float
+    #: ``TieredKV`` and ``register`` of the store (its warm restart), and the worst stall meanwhile.
+    reopen_s: float
+    reopen_stall_max_ms: float
+    index_bytes_per_chunk: float
+    #: The nvme driver alone growing a store to this size with the same batches.
+    driver_stall_max_ms: float
+    driver_stall_p99_ms: float
+    driver_store_chunks_per_s: float
+    #: The nvme driver's ``open`` within the reopen, and its slot map's bytes per chunk.
+    driver_reopen_s: float
+    driver_bytes_per_chunk: float
+    checks: list[ScaleCheck]
+
+
+class ScaleFigures(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    chunk_bytes: int
+    requests: int
+    batch_chunks: int
+    #: The ticker alone on an idle loop, same run: the machine's own stalls.
+    idle_stall_max_ms: float
+    idle_stall_p99_ms: float
+    sizes: list[ScaleSize]
+
+
 class BenchError(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     section: str
     error: str
@@ -136,6 +184,7 @@ class BenchDocument(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     policies: PolicyFigures | None = None
     overhead: OverheadFigures | None = None
     keys: KeysFigures | None = None
+    scale: ScaleFigures | None = None
 
 
 def validate(data: bytes) -> BenchDocument:

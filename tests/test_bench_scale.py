@@ -1,0 +1,39 @@
+"""``tiered-kv bench scale`` at its smallest size: every figure, its target and whether it
+is met, in the table and in the JSON document."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tiered_kv.bench.schema import validate
+from tiered_kv.cli import main
+
+FIGURES = ["max stall (ms)", "p99 stall (ms)", "chunks/s stored", "reopen (s)", "index B/chunk"]
+
+
+def test_bench_scale_reports_each_figure_against_its_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    code = main(["bench", "scale", "--max-chunks", "10000", "--nvme-dir", str(tmp_path), "--json", str(out)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "scale: nvme tier of 4,096 B chunks through TieredKV" in table
+    assert all(figure in table for figure in FIGURES)
+    document = validate(out.read_bytes())
+    assert document.errors == [] and document.scale is not None
+    [size] = document.scale.sizes
+    assert 10_000 <= size.chunks < 10_000 + 8 * 32, "grown to the size, in whole rounds of stores"
+    assert [check.figure for check in size.checks] == FIGURES
+    for check in size.checks:
+        assert check.met == (check.value <= check.target if check.at_most else check.value >= check.target)
+    assert size.store_chunks_per_s > 0 and size.driver_store_chunks_per_s > 0
+    assert 0 < size.driver_reopen_s <= size.reopen_s
+    assert size.driver_bytes_per_chunk == pytest.approx(17 * 10_000 / size.chunks)
+    assert size.index_bytes_per_chunk > size.driver_bytes_per_chunk
+    assert json.loads(out.read_text())["scale"]["sizes"][0]["checks"][0]["figure"] == FIGURES[0]
+
+
+def test_bench_scale_refuses_a_size_below_its_smallest(tmp_path: Path) -> None:
+    assert main(["bench", "scale", "--max-chunks", "5000", "--nvme-dir", str(tmp_path)]) == 2

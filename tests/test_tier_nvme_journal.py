@@ -1,0 +1,333 @@
+"""The nvme tier's slot map: checkpoint plus journal, group commit, compaction. What a crash
+leaves (a copy of the files while the store is open, cut or damaged the ways a crash cuts
+them) reopens to at least every synced chunk, and never to wrong bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_namespace
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nvme_snapshot import crash_copy
+from structlog.testing import capture_logs
+from tiered_kv.tiers.nvme import NvmeTier
+from tiered_kv.tiers.nvme_format import HEADER_BYTES
+
+from tiered_kv.errors import CorruptChunk, TierError
+from tiered_kv.interfaces import TransferOp
+from tiered_kv.namespace import Namespace
+
+SLOT = 4096
+SLOTS = 8
+NS = make_namespace()
+
+
+async def open_store(root: Path, namespace: Namespace = NS, **options: Any) -> NvmeTier:
+    settings_: dict[str, Any] = {"slot_bytes": SLOT, "num_slots": SLOTS, "io_depth": 2, "commit_window_s": 60}
+    return await NvmeTier.open(root, namespace, **(settings_ | options))
+
+
+def key(slot: int, version: int) -> bytes:
+    return slot.to_bytes(8, "little") + version.to_bytes(8, "little")
+
+
+def data(slot: int, version: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(slot * 100_003 + version)
+    return torch.randint(0, 256, (SLOT,), dtype=torch.uint8, generator=generator)
+
+
+def op(slot: int, version: int, buffer: torch.Tensor | None = None) -> TransferOp:
+    return TransferOp(buffer=data(slot, version) if buffer is None else buffer, key=key(slot, version), slot=slot)
+
+
+async def read(tier: NvmeTier, slot: int, version: int) -> torch.Tensor:
+    out = torch.zeros(SLOT, dtype=torch.uint8)
+    await tier.read([op(slot, version, out)])
+    return out
+
+
+def journal(directory: Path) -> Path:
+    return directory / "g0.journal"
+
+
+def damaged(logs: list[dict[str, Any]]) -> list[str]:
+    return [e["reason"] for e in logs if e["event"] == "nvme.slot_map_damaged"]
+
+
+async def test_a_torn_journal_tail_loses_only_its_frame_and_is_cut_off(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path / "live")
+    await tier.write([op(0, 1), op(1, 1)])
+    await tier.sync()
+    await tier.write([op(2, 1)])
+    await tier.sync()
+    copy = crash_copy(tier, tmp_path / "crashed")
+    await tier.close()
+    size = journal(copy).stat().st_size
+    os.truncate(journal(copy), size - 7)  # the crash came during the second commit
+    with capture_logs() as logs:
+        crashed = await open_store(copy.parent)
+    assert crashed.recovered() == {key(0, 1): 0, key(1, 1): 1}
+    [event] = [e for e in logs if e["event"] == "nvme.recovered"]
+    assert event["torn_bytes"] > 0 and damaged(logs) == []
+    assert torch.equal(await read(crashed, 1, 1), data(1, 1))
+    await crashed.write([op(3, 1)])
+    await crashed.sync()
+    again = crash_copy(crashed, tmp_path / "again")
+    await crashed.close()
+    reopened = await open_store(again.parent)
+    assert reopened.recovered() == {key(0, 1): 0, key(1, 1): 1, key(3, 1): 3}, "frames after the cut are read"
+    await reopened.close()
+
+
+@pytest.mark.parametrize("cut", ["truncated", "emptied", "a byte flipped"])
+async def test_a_damaged_checkpoint_loses_its_entries_and_nothing_else(tmp_path: Path, cut: str) -> None:
+    tier = await open_store(tmp_path / "live")
+    await tier.write([op(0, 1), op(1, 1)])
+    await tier.close()  # compacted into the checkpoint
+    tier = await open_store(tmp_path / "live")
+    await tier.write([op(2, 1)])
+    await tier.sync()  # in the journal
+    copy = crash_copy(tier, tmp_path / "crashed")
+    await tier.close()
+    checkpoint = copy / "g0.checkpoint"
+    content = bytearray(checkpoint.read_bytes())
+    if cut == "truncated":
+        del content[-10:]
+    elif cut == "emptied":
+        content.clear()
+    else:
+        content[80] ^= 1
+    checkpoint.write_bytes(bytes(content))
+    with capture_logs() as logs:
+        crashed = await open_store(copy.parent)
+    assert crashed.recovered() == {key(2, 1): 2}
+    [reason] = damaged(logs)
+    assert reason.startswith("the checkpoint is unreadable")
+    with pytest.raises(CorruptChunk, match="holds no chunk with this key"):
+        await read(crashed, 0, 1)
+    await crashed.close()
+    reopened = await open_store(copy.parent)  # the reopen wrote a sound generation
+    assert reopened.recovered() == {key(2, 1): 2}
+    await reopened.close()
+
+
+@pytest.mark.parametrize(
+    ("other", "reason"),
+    [
+        ({"namespace": make_namespace(model_revision="r2")}, "another namespace's"),
+        ({"group": 1}, "group 1's"),
+        ({"slot_bytes": 2 * SLOT}, "another slot size (8192 bytes)'s"),
+    ],
+)
+async def test_a_slot_map_of_another_namespace_group_or_geometry_is_ignored(
+    tmp_path: Path, other: dict[str, Any], reason: str
+) -> None:
+    mine = await open_store(tmp_path / "mine")
+    await mine.write([op(0, 1)])
+    await mine.close()
+    theirs = await open_store(tmp_path / "theirs", **other)
+    await theirs.write([op(s, 2, torch.zeros(theirs.slot_bytes, dtype=torch.uint8)) for s in range(3)])
+    await theirs.close()
+    g = theirs.group
+    for kind in ("checkpoint", "journal"):
+        (mine.directory / f"g0.{kind}").write_bytes((theirs.directory / f"g{g}.{kind}").read_bytes())
+    with capture_logs() as logs:
+        tier = await open_store(tmp_path / "mine")
+    assert tier.recovered() == {}
+    assert damaged(logs) == [f"the checkpoint is {reason}: ignored", f"the journal is {reason}: ignored"]
+    for s in range(3):
+        with pytest.raises(CorruptChunk):
+            await read(tier, s, 2)
+    await tier.close()
+
+
+async def test_a_stale_entry_for_a_reused_slot_never_serves_the_old_chunk(tmp_path: Path) -> None:
+    """Slot 0 held K1 (synced), then K2 was written over it and the crash came before
+    that commit: the slot map still says K1, the slot holds K2."""
+    tier = await open_store(tmp_path / "live")
+    await tier.write([op(0, 1)])
+    await tier.sync()
+    await tier.write([op(0, 2)])
+    copy = crash_copy(tier, tmp_path / "crashed")
+    await tier.close()
+    crashed = await open_store(copy.parent)
+    assert crashed.recovered() == {key(0, 1): 0}, "the stale entry is listed (a reopen reads no payload)"
+    with pytest.raises(CorruptChunk, match="holds another chunk"):
+        await read(crashed, 0, 1)
+    with pytest.raises(CorruptChunk, match="holds no chunk with this key"):
+        await read(crashed, 0, 2)
+    await crashed.close()
+
+
+async def test_a_crash_between_the_two_renames_of_a_compaction_keeps_everything(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path / "live")
+    await tier.write([op(0, 1), op(1, 1)])
+    await tier.sync()
+    copy = crash_copy(tier, tmp_path / "crashed")  # checkpoint G (empty), journal G (two entries)
+    await tier.close()  # compaction: checkpoint G+1 (two entries), journal G+1 (empty)
+    (copy / "g0.checkpoint").write_bytes((tier.directory / "g0.checkpoint").read_bytes())
+    with capture_logs() as logs:
+        crashed = await open_store(copy.parent)
+    assert crashed.recovered() == {key(0, 1): 0, key(1, 1): 1}
+    assert damaged(logs) == [], "a journal older than its checkpoint is normal after such a crash"
+    await crashed.close()
+
+
+async def test_without_sync_a_write_is_durable_once_its_commit_window_passes(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path / "live", commit_window_s=0.01)
+    empty = journal(tier.directory).stat().st_size
+    await tier.write([op(0, 1)])
+    for _ in range(500):
+        if journal(tier.directory).stat().st_size > empty:
+            break
+        await asyncio.sleep(0.01)
+    copy = crash_copy(tier, tmp_path / "crashed")
+    await tier.close()
+    crashed = await open_store(copy.parent)
+    assert crashed.recovered() == {key(0, 1): 0}
+    await crashed.close()
+
+
+async def test_compaction_keeps_the_journal_bounded(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path / "live", compact_every=16)
+    sizes = []
+    for version in range(1, 101):
+        await tier.write([op(version % SLOTS, version)])
+        await tier.sync()
+        sizes.append(journal(tier.directory).stat().st_size)
+    assert max(sizes) < 64 + 16 * (24 + 24), "one compaction per 16 records"
+    copy = crash_copy(tier, tmp_path / "crashed")
+    await tier.close()
+    crashed = await open_store(copy.parent)
+    assert crashed.recovered() == {key(v % SLOTS, v): v % SLOTS for v in range(93, 101)}
+    await crashed.close()
+
+
+async def test_the_recovered_map_is_handed_out_until_the_store_changes(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path)
+    await tier.write([op(0, 1)])
+    await tier.close()
+    tier = await open_store(tmp_path)
+    assert tier.recovered() is tier.recovered() == {key(0, 1): 0}
+    tier.forget([0])
+    with pytest.raises(TierError, match="until the first write or forget"):
+        tier.recovered()
+    await tier.close()
+
+
+ACTIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("write"), st.lists(st.integers(0, SLOTS - 1), min_size=1, max_size=3, unique=True)),
+        st.tuples(st.just("forget"), st.lists(st.integers(0, SLOTS - 1), min_size=1, max_size=3, unique=True)),
+        st.tuples(st.just("sync"), st.just([])),
+        st.tuples(st.just("crash"), st.lists(st.integers(0, 2**16), min_size=2, max_size=2)),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+#: Bytes of a journal's header; the generation is the little-endian u64 at offset 24.
+JOURNAL_HEADER = 72
+
+
+def generation(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[24:32], "little")
+
+
+class Sync:
+    """The model at a sync: the journal then (its generation and length) and what the
+    slot map held."""
+
+    def __init__(self, path: Path, held: dict[int, int], serial: int) -> None:
+        self.generation, self.size = generation(path), path.stat().st_size
+        self.held = dict(held)
+        self.serial = serial
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=ACTIONS, compact_every=st.sampled_from([2, 5, 1000]))
+async def test_random_writes_forgets_syncs_and_crashes_reopen_to_at_least_the_synced_state(
+    tmp_path_factory: pytest.TempPathFactory, actions: list[tuple[str, list[int]]], compact_every: int
+) -> None:
+    """Randomized against a model: a crash leaves the files as they are with the journal
+    cut anywhere past its header and the slots written since the last sync maybe lost;
+    the reopened store holds every chunk of the last sync the cut keeps (unless written
+    or forgotten since), and each chunk it serves has its own bytes."""
+    base = tmp_path_factory.mktemp("journal")
+    tier = await open_store(base / "live", compact_every=compact_every)
+    held: dict[int, int] = {}  # slot → version, as the driver holds them now
+    changed: dict[int, int] = {}  # slot → serial of its last write or forget
+    written: dict[int, int] = {}  # slot → serial of its last write
+    syncs = [Sync(journal(tier.directory), held, 0)]
+    version = serial = 0
+    crashes = 0
+    try:
+        for action, args in actions:
+            serial += 1
+            if action == "write":
+                version += 1
+                await tier.write([op(s, version) for s in args])
+                held.update(dict.fromkeys(args, version))
+                changed.update(dict.fromkeys(args, serial))
+                written.update(dict.fromkeys(args, serial))
+            elif action == "forget":
+                tier.forget(args)
+                for s in args:
+                    held.pop(s, None)
+                changed.update(dict.fromkeys(args, serial))
+            elif action == "sync":
+                await tier.sync()
+                syncs.append(Sync(journal(tier.directory), held, serial))
+            else:
+                crashes += 1
+                rng = random.Random(args[0] * 7 + args[1])
+                await check_crash(tier, base / f"crash{crashes}", syncs, changed, written, rng)
+    finally:
+        await tier.close()
+
+
+async def check_crash(
+    tier: NvmeTier,
+    root: Path,
+    syncs: list[Sync],
+    changed: dict[int, int],
+    written: dict[int, int],
+    rng: random.Random,
+) -> None:
+    copy = crash_copy(tier, root)
+    path = journal(copy)
+    now = generation(path)
+    cut = rng.randint(JOURNAL_HEADER, path.stat().st_size)
+    os.truncate(path, cut)
+    kept = [sync for sync in syncs if sync.generation == now and sync.size <= cut]
+    durable = kept[-1] if kept else syncs[0]
+    with copy.joinpath("g0.slots").open("r+b") as slots:
+        for slot, when in written.items():
+            if when > syncs[-1].serial and rng.random() < 0.5:
+                slots.seek(slot * (HEADER_BYTES + SLOT))
+                slots.write(bytes(HEADER_BYTES))  # that write never reached the disk
+    crashed = await open_store(root)
+    try:
+        recovered = crashed.recovered()
+        for chunk_key, slot in recovered.items():
+            at, version = int.from_bytes(chunk_key[:8], "little"), int.from_bytes(chunk_key[8:], "little")
+            assert at == slot, "an entry names the slot its key was written to"
+            try:
+                got = await read(crashed, slot, version)
+            except CorruptChunk:
+                continue
+            assert torch.equal(got, data(slot, version)), f"slot {slot} served other bytes"
+        for slot, version in durable.held.items():
+            if changed[slot] <= durable.serial:
+                assert recovered.get(key(slot, version)) == slot, f"synced slot {slot} is lost"
+                assert torch.equal(await read(crashed, slot, version), data(slot, version))
+    finally:
+        await crashed.close()

@@ -1,0 +1,390 @@
+"""Bench section ``scale``: an nvme tier of small chunks grown through ``TieredKV`` to 10k,
+100k and 1M chunks, with the event loop's stalls measured all along.
+
+The library lives in its host's event loop, so its loop stalls are a product figure. A
+ticker task sleeps 1 ms at a time; a stall is how much later than asked it wakes. Per
+size, measured on one store that grows through the sizes in turn:
+
+* stalls (max, p99) while ``REQUESTS`` concurrent requests store ``BATCH`` new 4 KiB
+  chunks each per call (write-through to nvme), up to that size, drained;
+* stored chunks per second over that growth (until ``drain`` returns: on nvme and synced);
+* reopen seconds: a new ``TieredKV`` and ``register`` of the same store (its warm restart);
+* index bytes per chunk: what a reopened ``TieredKV`` holds in Python and numpy memory
+  (``tracemalloc``; the cpu slab and the engine's tensors are not counted), once its
+  first store has run.
+
+The ticker alone first, for a second: the stalls the machine itself causes an idle loop.
+Where the time goes: the same growth with the nvme driver alone (same batches, same
+concurrency, no manager) gives the driver's rate and stalls; the reopen's driver part is
+the nvme driver's ``open``; the driver's part of the index is its slot map. The rest is
+the manager's (residency index, policy, scheduler, cpu and gpu drivers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import mmap
+import os
+import statistics
+import tempfile
+import time
+import tracemalloc
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tiered_kv.bench import SectionResult
+from tiered_kv.bench.report import Progress, Table
+from tiered_kv.bench.schema import ScaleCheck, ScaleFigures, ScaleSize
+from tiered_kv.cli_errors import UsageError
+from tiered_kv.config import CpuTierConfig, NvmeTierConfig, TieredKVConfig
+from tiered_kv.interfaces import HostTier, RecoverableTier, TierDriver, TierFactory, TransferOp
+from tiered_kv.keys import KEY_BYTES
+from tiered_kv.layout import KVGeometry, KVGroup
+from tiered_kv.namespace import Namespace
+from tiered_kv.registry import TIERS
+
+if TYPE_CHECKING:  # torch and the manager load when the section runs, not with the CLI's parser
+    import torch
+
+    from tiered_kv.manager import TieredKV
+
+SIZES = (10_000, 100_000, 1_000_000)
+#: Concurrent requests storing, and chunks per store call.
+REQUESTS, BATCH = 8, 32
+#: The issue's targets at 1M chunks.
+MAX_STALL_MS, P99_STALL_MS, REOPEN_S, CHUNKS_PER_S, BYTES_PER_CHUNK = 5.0, 1.0, 1.0, 20_000.0, 200.0
+TICK_S = 0.001
+#: How long the idle loop's stalls are measured first: the machine's own noise.
+IDLE_S = 1.0
+#: Chunks the cpu tier holds: enough for what is being written behind, not the tier.
+CPU_CHUNKS = 16384
+
+NAMESPACE = Namespace(
+    model_id="bench/scale",
+    model_revision="0",
+    geometry=KVGeometry(
+        dtype="float16", block_size=16, chunk_size=16, groups=(KVGroup(num_layers=1, num_kv_heads=1, head_dim=64),)
+    ),
+)
+CHUNK_BYTES = NAMESPACE.geometry.chunk_bytes()
+
+
+class ScaleSection:
+    name = "scale"
+    summary = "an nvme tier of 4 KiB chunks grown to 10k/100k/1M through TieredKV: loop stalls, rate, reopen, memory"
+
+    def add_arguments(self, parser: argparse._ArgumentGroup) -> None:
+        parser.add_argument(
+            "--max-chunks",
+            type=int,
+            default=100_000,
+            help=f"largest size to grow to, of {', '.join(f'{s:,}' for s in SIZES)} (default 100,000)",
+        )
+
+    def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
+        sizes = [size for size in SIZES if size <= args.max_chunks]
+        if not sizes:
+            raise UsageError(f"--max-chunks {args.max_chunks} is below the smallest size, {SIZES[0]:,}")
+        with tempfile.TemporaryDirectory(dir=args.nvme_dir, prefix="tiered-kv-scale-") as tmp:
+            figures = asyncio.run(measure(Path(tmp), sizes, progress))
+        return SectionResult(payload=figures, tables=[_table(figures)])
+
+
+def _table(figures: ScaleFigures) -> Table:
+    rows = []
+    for size in figures.sizes:
+        for check in size.checks:
+            sign = "<=" if check.at_most else ">="
+            verdict = "met" if check.met else "NOT MET"
+            row = [f"{size.chunks:,}", check.figure, f"{check.value:,.2f}", f"{sign} {check.target:,.0f}"]
+            rows.append([*row, verdict, check.driver])
+    return Table(
+        title=f"scale: nvme tier of {figures.chunk_bytes:,} B chunks through TieredKV, "
+        f"{figures.requests} requests x {figures.batch_chunks} chunks per store",
+        headers=["chunks", "figure", "measured", "target", "", "nvme driver alone / its part"],
+        rows=rows,
+        note="stalls: how late a 1 ms sleep of the event loop wakes; timings on a shared machine are noisy\n"
+        f"the idle loop on this machine, same run: max {figures.idle_stall_max_ms:.1f} ms, "
+        f"p99 {figures.idle_stall_p99_ms:.2f} ms\n"
+        + "\n".join(
+            f"{size.chunks:,} chunks: longest garbage collection while storing {size.gc_pause_max_ms:.1f} ms, "
+            f"worst stall during the reopen {size.reopen_stall_max_ms:.0f} ms"
+            for size in figures.sizes
+        ),
+    )
+
+
+class _Ticker:
+    """Sleeps ``TICK_S`` at a time and records how late each wake-up is, and how long
+    each pass of Python's cyclic garbage collector holds the process meanwhile."""
+
+    def __init__(self) -> None:
+        self._lates: list[float] = []
+        self._gc: list[float] = []
+        self._gc_started = 0.0
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        task = asyncio.ensure_future(self._run())
+        gc.callbacks.append(self._collecting)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(self._collecting)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _collecting(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self._gc.append(time.perf_counter() - self._gc_started)
+
+    async def _run(self) -> None:
+        clock = time.perf_counter
+        while True:
+            started = clock()
+            await asyncio.sleep(TICK_S)
+            self._lates.append(clock() - started - TICK_S)
+
+    async def take(self) -> tuple[float, float, float]:
+        """``(max, p99)`` stall and the longest garbage collection, in ms, since the last
+        take. Yields to the loop first: a wake-up that a blocking step delayed is counted
+        once it has run."""
+        await asyncio.sleep(TICK_S)
+        lates, self._lates = self._lates, []
+        collections, self._gc = self._gc, []
+        longest_gc = max(collections, default=0.0) * 1e3
+        if len(lates) < 2:
+            return max(lates, default=0.0) * 1e3, max(lates, default=0.0) * 1e3, longest_gc
+        return max(lates) * 1e3, statistics.quantiles(lates, n=100, method="inclusive")[98] * 1e3, longest_gc
+
+
+class _TimedTiers:
+    """``inner``'s drivers; remembers how long opening the nvme store took."""
+
+    def __init__(self, inner: TierFactory) -> None:
+        self.inner = inner
+        self.nvme_s = 0.0
+
+    def gpu(self, namespace: Namespace, group: int, tensors: Sequence[torch.Tensor]) -> TierDriver:
+        return self.inner.gpu(namespace, group, tensors)
+
+    def cpu(self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int) -> HostTier:
+        return self.inner.cpu(namespace, group, slot_bytes, num_slots)
+
+    async def nvme(
+        self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: NvmeTierConfig
+    ) -> RecoverableTier:
+        started = time.perf_counter()
+        driver = await self.inner.nvme(namespace, group, slot_bytes, num_slots, config)
+        self.nvme_s += time.perf_counter() - started
+        return driver
+
+
+def _config(root: Path, capacity: int) -> TieredKVConfig:
+    return TieredKVConfig(
+        cpu=CpuTierConfig(capacity_bytes=CPU_CHUNKS * CHUNK_BYTES),
+        nvme=NvmeTierConfig(root=str(root), capacity_bytes=capacity * CHUNK_BYTES),
+    )
+
+
+def _engine_cache() -> list[torch.Tensor]:
+    import torch
+
+    group = NAMESPACE.geometry.groups[0]
+    shape = (REQUESTS * BATCH, 2, NAMESPACE.geometry.block_size, group.num_kv_heads, group.head_dim)
+    return [torch.ones(shape, dtype=torch.float16)]
+
+
+class _Keys:
+    """Fresh random chunk keys, drawn from the OS in large blocks so that the producers'
+    own share of the loop stays small next to what is measured."""
+
+    def __init__(self) -> None:
+        self._block = b""
+        self._at = 0
+
+    def take(self, n: int) -> list[bytes]:
+        if self._at + n * KEY_BYTES > len(self._block):
+            self._block, self._at = os.urandom(max(n, 65536) * KEY_BYTES), 0
+        start, self._at = self._at, self._at + n * KEY_BYTES
+        return [self._block[i : i + KEY_BYTES] for i in range(start, self._at, KEY_BYTES)]
+
+
+def _nvme_chunks(kv: TieredKV) -> int:
+    return next(tier.used_chunks for tier in kv.statistics().tiers if tier.tier == "nvme")
+
+
+async def _grow(kv: TieredKV, target: int, keys: _Keys) -> None:
+    """Store new chunks from ``REQUESTS`` concurrent requests until nvme holds ``target``."""
+    serial = 0
+
+    async def request(r: int, rounds: int) -> None:
+        nonlocal serial
+        blocks = [list(range(r * BATCH, (r + 1) * BATCH))]
+        for _ in range(rounds):
+            serial += 1
+            await kv.store(NAMESPACE, request_id=f"s{serial}", keys=[keys.take(BATCH)], block_ids=blocks)
+            await kv.finish_request(f"s{serial}")
+
+    while (missing := target - _nvme_chunks(kv)) > 0:
+        rounds = -(-missing // (REQUESTS * BATCH))
+        await asyncio.gather(*(request(r, rounds) for r in range(REQUESTS)))
+        await kv.drain()
+
+
+async def _grow_driver(tier: Any, start: int, target: int, buffers: Sequence[torch.Tensor], keys: _Keys) -> None:
+    """What :func:`_grow` asks of the nvme driver, without the manager: same batches."""
+    next_slot = start
+
+    async def request(buffer: torch.Tensor) -> None:
+        nonlocal next_slot
+        views = [buffer[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES] for i in range(BATCH)]
+        while next_slot < target:
+            first, next_slot = next_slot, min(next_slot + BATCH, target)
+            batch = zip(views, keys.take(next_slot - first), range(first, next_slot), strict=False)
+            await tier.write([TransferOp(buffer=view, key=key, slot=slot) for view, key, slot in batch])
+
+    await asyncio.gather(*(request(buffer) for buffer in buffers))
+    await tier.sync()
+
+
+def _check(figure: str, value: float, target: float, *, at_most: bool, driver: str) -> ScaleCheck:
+    met = value <= target if at_most else value >= target
+    return ScaleCheck(figure=figure, value=value, target=target, at_most=at_most, met=met, driver=driver)
+
+
+async def _driver_pass(root: Path, sizes: list[int], progress: Progress) -> list[tuple[float, float, float]]:
+    """Per size: the nvme driver alone growing a store to it, ``(chunks/s, max, p99 stall)``."""
+    import torch
+
+    opener = TIERS.get("nvme").open  # type: ignore[attr-defined]
+    tier = await opener(root, NAMESPACE, slot_bytes=CHUNK_BYTES, num_slots=sizes[-1])
+    pages = [mmap.mmap(-1, BATCH * CHUNK_BYTES) for _ in range(REQUESTS)]  # page-aligned, as cpu slots are
+    buffers = [torch.frombuffer(page, dtype=torch.uint8) for page in pages]
+    ticker = _Ticker()
+    keys = _Keys()
+    out: list[tuple[float, float, float]] = []
+    try:
+        async with ticker.running():
+            done = 0
+            for size in sizes:
+                progress.step(len(out), len(sizes), f"nvme driver alone to {size:,} chunks")
+                await ticker.take()
+                started = time.perf_counter()
+                await _grow_driver(tier, done, size, buffers, keys)
+                rate = (size - done) / (time.perf_counter() - started)
+                stall_max, stall_p99, _ = await ticker.take()
+                out.append((rate, stall_max, stall_p99))
+                done = size
+    finally:
+        await tier.close()
+        del buffers
+    return out
+
+
+async def _index_bytes(root: Path, capacity: int, cache: list[torch.Tensor], keys: _Keys) -> tuple[TieredKV, float]:
+    """A reopened ``TieredKV`` that has stored once, and the bytes it holds in Python and numpy."""
+    from tiered_kv.manager import TieredKV
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kv = TieredKV(_config(root, capacity))
+        await kv.register(NAMESPACE, [cache])
+        await kv.store(NAMESPACE, request_id="index", keys=[keys.take(BATCH)], block_ids=[list(range(BATCH))])
+        await kv.drain()  # the nvme driver lets go of what it recovered once it has written
+        gc.collect()
+        return kv, tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+async def _idle_stalls() -> tuple[float, float]:
+    """``(max, p99)`` stall of the ticker alone: what the machine does to an idle loop."""
+    ticker = _Ticker()
+    async with ticker.running():
+        await asyncio.sleep(IDLE_S)
+    stall_max, stall_p99, _ = await ticker.take()
+    return stall_max, stall_p99
+
+
+async def measure(root: Path, sizes: list[int], progress: Progress) -> ScaleFigures:
+    from tiered_kv.manager import RegistryTiers, TieredKV
+
+    progress.step(0, len(sizes), "the idle loop's stalls")
+    idle_max, idle_p99 = await _idle_stalls()
+    driver = await _driver_pass(root / "driver", sizes, progress)
+    cache = _engine_cache()
+    store = root / "store"
+    ticker = _Ticker()
+    keys = _Keys()
+    rows = []
+    async with ticker.running():
+        kv = TieredKV(_config(store, sizes[-1]))
+        await kv.register(NAMESPACE, [cache])
+        try:
+            for i, size in enumerate(sizes):
+                progress.step(i, len(sizes), f"TieredKV to {size:,} chunks")
+                await ticker.take()
+                before, started = _nvme_chunks(kv), time.perf_counter()
+                await _grow(kv, size, keys)
+                rate = (_nvme_chunks(kv) - before) / (time.perf_counter() - started)
+                stall_max, stall_p99, longest_gc = await ticker.take()
+                await kv.close()
+                tiers = _TimedTiers(RegistryTiers())
+                started = time.perf_counter()
+                kv = TieredKV(_config(store, sizes[-1]), tiers=tiers)
+                await kv.register(NAMESPACE, [cache])
+                reopen_s = time.perf_counter() - started
+                reopen_stall, _, _ = await ticker.take()
+                held = _nvme_chunks(kv)
+                await kv.close()
+                kv, index_bytes = await _index_bytes(store, sizes[-1], cache, keys)
+                slot_map = (KEY_BYTES + 1) * sizes[-1] / held
+                d_rate, d_max, d_p99 = driver[i]
+                checks = [
+                    _check("max stall (ms)", stall_max, MAX_STALL_MS, at_most=True, driver=f"{d_max:.2f}"),
+                    _check("p99 stall (ms)", stall_p99, P99_STALL_MS, at_most=True, driver=f"{d_p99:.2f}"),
+                    _check("chunks/s stored", rate, CHUNKS_PER_S, at_most=False, driver=f"{d_rate:,.0f}"),
+                    _check("reopen (s)", reopen_s, REOPEN_S, at_most=True, driver=f"{tiers.nvme_s:.3f}"),
+                    _check(
+                        "index B/chunk", index_bytes / held, BYTES_PER_CHUNK, at_most=True, driver=f"{slot_map:.1f}"
+                    ),
+                ]
+                rows.append(
+                    ScaleSize(
+                        chunks=held,
+                        stall_max_ms=stall_max,
+                        stall_p99_ms=stall_p99,
+                        gc_pause_max_ms=longest_gc,
+                        store_chunks_per_s=rate,
+                        reopen_s=reopen_s,
+                        reopen_stall_max_ms=reopen_stall,
+                        index_bytes_per_chunk=index_bytes / held,
+                        driver_stall_max_ms=d_max,
+                        driver_stall_p99_ms=d_p99,
+                        driver_store_chunks_per_s=d_rate,
+                        driver_reopen_s=tiers.nvme_s,
+                        driver_bytes_per_chunk=slot_map,
+                        checks=checks,
+                    )
+                )
+        finally:
+            await kv.close()
+    progress.step(len(sizes), len(sizes), "done")
+    return ScaleFigures(
+        chunk_bytes=CHUNK_BYTES,
+        requests=REQUESTS,
+        batch_chunks=BATCH,
+        idle_stall_max_ms=idle_max,
+        idle_stall_p99_ms=idle_p99,
+        sizes=rows,
+    )
