@@ -1079,8 +1079,8 @@ class TieredKV:
         self._check()
 
     async def drain(self) -> None:
-        """Return once every background copy (stores, write-behind, promotions) is done
-        and every chunk stored so far is durable."""
+        """Return once every background copy (stores, write-behind, remote writes and
+        probes, promotions) is done and every chunk stored so far on nvme is durable."""
         self._check()
         await self._scheduler.drain()
         for drivers in list(self._drivers.values()):
