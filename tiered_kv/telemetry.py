@@ -65,7 +65,7 @@ class Telemetry:
         namespaces: list[NamespaceUsage],
         queue_depths: dict[str, int],
         drivers: Iterable[TierStats],
-        remote: list[RemotePoolStatistics],
+        remote: Iterable[RemotePoolStatistics] = (),
     ) -> Statistics:
         lookups = {
             "hit_cpu": self.hit_cpu,
@@ -90,5 +90,5 @@ class Telemetry:
             stores_rejected=self.stores_rejected,
             events_dropped=self.events_dropped,
             drivers=list(drivers),
-            remote=remote,
+            remote=list(remote),
         )
