@@ -186,6 +186,23 @@ async def test_what_one_engine_stores_another_loads_bit_exact_after_one_probe_ro
         assert "remote~4" in repr(b.kv)
 
 
+async def test_concurrent_loads_of_a_remote_chunk_share_one_read(valkey: ValkeyServer) -> None:
+    remote = remote_config(valkey)
+    keys = prompt(4, start=50)
+    async with contextlib.AsyncExitStack() as stack:
+        a = await open_engine(stack, kv_config(remote), seed=61)
+        b = await open_engine(stack, kv_config(remote), seed=62)
+        await a.store(keys)
+        await a.kv.drain()
+        assert await b.discover(keys) == 4
+        loaded = await asyncio.gather(*(b.load(keys, 4, first_chunk=c) for c in (8, 12, 16)))
+        assert loaded == [4, 4, 4] and all(b.holds(c, a, 0, 4) for c in (8, 12, 16))
+        [driver] = [d for d in b.kv.statistics().drivers if d.name == "remote"]
+        assert driver.reads == 4, "each chunk was read once for the three loads"
+        b.kv.check_invariants()
+        assert all(tier.pinned_chunks == 0 for tier in b.kv.statistics().tiers)
+
+
 async def test_a_lookup_of_keys_that_are_not_chunk_keys_probes_nothing_and_the_manager_keeps_serving(
     valkey: ValkeyServer,
 ) -> None:
