@@ -572,46 +572,57 @@ async def test_namespaces_that_differ_in_revision_dtype_tp_size_or_salt_never_sh
             assert await other.discover(chunk_keys(NS, tokens), ns=variant) == 0, variant
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(4))
 async def test_random_traffic_of_two_engines_through_one_server_serves_only_exact_bytes(
-    valkey: ValkeyServer, seed: int
+    valkey: ValkeyServer, tmp_path: Path, seed: int
 ) -> None:
-    """Two engines with small cpu tiers, random prompts from a shared pool, random write
-    policies, a server that loses random keys: every loaded chunk is the one stored."""
+    """Two engines with small cpu and nvme tiers, two tenants, random prompts from a shared pool —
+    a fifth of them with the other tenant's keys, as a buggy or hostile tenant sends
+    them —, random write policies, a server that loses random keys: every loaded chunk is
+    the one its own tenant stored."""
     rng = random.Random(seed)
     remote = remote_config(valkey)
     policies = [rng.choice(list(WritePolicy)) for _ in range(2)]
     pool = [rng.randrange(10**6) for _ in range(8)]
+    tenants = [make_namespace(cache_salt="a"), make_namespace(cache_salt="b")]
     admin = valkey.client()
+
+    def computed(tenant: int, key: bytes) -> float:
+        """The bytes a tenant's engine computes for a chunk: a function of tenant and key."""
+        return float((int.from_bytes(key[:2], "little") + 101 * tenant) % 997)
+
     async with contextlib.AsyncExitStack() as stack:
         engines = [
-            await open_engine(stack, kv_config(remote, cpu_chunks=4, write_policy=policy, selective_hits=1), seed=s)
+            await open_engine(
+                stack,
+                kv_config(
+                    remote, cpu_chunks=4, nvme=tmp_path / str(s), nvme_chunks=6, write_policy=policy, selective_hits=1
+                ),
+                seed=s,
+            )
             for s, policy in zip((50, 51), policies, strict=True)
         ]
-        # Every engine computes the same bytes for a key (a function of the key).
-        for engine in engines:
-            for layer in engine.cache:
-                layer.zero_()
-        content = {}
-        for _ in range(60):
+        stored: list[tuple[int, bytes]] = []
+        for _ in range(80):
             engine = rng.choice(engines)
-            start = rng.choice(pool)
-            keys = prompt(rng.randint(1, 3), start=start)
-            hit = engine.kv.lookup(NS, [keys])
+            tenant = rng.randrange(2)
+            ns = tenants[tenant]
+            keys_of = tenants[1 - tenant] if rng.random() < 0.2 else ns
+            keys = prompt(rng.randint(1, 3), start=rng.choice(pool), ns=keys_of)
+            hit = engine.kv.lookup(ns, [keys])
             await engine.kv.drain()
-            loaded = await engine.load(keys, hit, first_chunk=8) if hit else 0
+            loaded = await engine.load(keys, hit, first_chunk=8, ns=ns) if hit else 0
             for c in range(loaded):
-                expected = content[keys[c]]
-                assert all(torch.equal(layer[blocks(1, 8 + c)], expected) for layer in engine.cache), "wrong bytes"
-            for c, key in enumerate(keys):  # "compute" the chunk: its bytes follow from its key
-                value = torch.full_like(engine.cache[0][blocks(1, c)], float(int.from_bytes(key[:2], "little") % 997))
-                content[key] = value
+                value = computed(tenant, keys[c])
+                assert all((layer[blocks(1, 8 + c)] == value).all() for layer in engine.cache), "wrong bytes"
+            for c, key in enumerate(keys):  # "compute" the chunks
                 for layer in engine.cache:
-                    layer[blocks(1, c)] = value
-            await engine.store(keys)
+                    layer[blocks(1, c)] = computed(tenant, key)
+            await engine.store(keys, ns=ns)
+            stored += [(tenant, key) for key in keys]
             if rng.random() < 0.2:
-                victim = rng.choice(list(content))
-                admin.unlink(server_name(remote, NS, victim))
+                lost_tenant, lost = rng.choice(stored)
+                admin.unlink(server_name(remote, tenants[lost_tenant], lost))
         for engine in engines:
             await engine.kv.drain()
             engine.kv.check_invariants()
