@@ -43,7 +43,7 @@ class SeenK:
     def __repr__(self) -> str:
         return f"<SeenK k={self.k} counted={len(self._counts)}/{self.capacity}>"
 
-    def admit(self, key: ChunkKey) -> bool:
+    def admit(self, key: ChunkKey, parent: ChunkKey | None = None) -> bool:
         counts = self._counts
         seen = counts.pop(key, 0) + 1
         if seen >= self.k:

@@ -7,6 +7,10 @@ T1's least recently used key while T1 is above its target, else T2's. The result
 resists one-off scans (they pass through T1 only) and adapts between recency- and
 frequency-friendly workloads without a tuning knob.
 
+Victims are the leaves of the prefix tree (see :mod:`tiered_kv.policies.prefix`): a key
+whose successors are still resident is parked out of T1 or T2 until they are gone, and
+then returns to the old end of its list.
+
 Two departures from the paper follow from the owner's protocol. The owner evicts before
 it inserts, so a ghost hit adapts the target on the insert that follows the eviction
 and the victim choice cannot use the incoming key (the paper's tie-break "x in B2 and
@@ -19,41 +23,43 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import cast
 
 from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
+from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
 
 from tiered_kv.keys import ChunkKey
 
-
-def _next_unprotected(keys: Iterator[ChunkKey], protected: Callable[[ChunkKey], bool]) -> ChunkKey | None:
-    for key in keys:
-        if not protected(key):
-            return key
-    return None
+#: Where a key lives, for parking: T1 (seen once recently) or T2 (seen at least twice).
+_T1, _T2 = 1, 2
+#: Marks "not in this list" where a predecessor (a key or ``None``) is expected.
+_ABSENT = cast("ChunkKey | None", object())
 
 
 class ARC:
     """Adaptive replacement between recency (T1) and frequency (T2), with ghost lists.
 
-    T1 and T2 are ``OrderedDict``s (least recently used first); B1 and B2 are
+    T1 and T2 are ``OrderedDict``s (least recently used first, each key mapped to its
+    predecessor); B1 and B2 are
     :class:`GhostQueue`s. Resident keys plus ghosts never exceed ``2 * capacity``.
     ``clock`` and ``rng`` are accepted for the common constructor and unused.
     """
 
     name = "arc"
-    __slots__ = ("_b1", "_b2", "_t1", "_t2", "_target", "capacity")
+    __slots__ = ("_b1", "_b2", "_links", "_t1", "_t2", "_target", "capacity")
 
     def __init__(
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
     ) -> None:
         self.capacity = check_capacity(capacity)
-        self._t1: OrderedDict[ChunkKey, None] = OrderedDict()
-        self._t2: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._t1: OrderedDict[ChunkKey, ChunkKey | None] = OrderedDict()
+        self._t2: OrderedDict[ChunkKey, ChunkKey | None] = OrderedDict()
         self._b1 = GhostQueue(capacity)
         self._b2 = GhostQueue(capacity)
         self._target = 0.0
+        self._links = PrefixLinks(self._release, places=3)
 
     @property
     def target(self) -> float:
@@ -61,43 +67,48 @@ class ARC:
         return self._target
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        return len(self._t1) + len(self._t2) + self._links.parked()
 
     def __contains__(self, key: object) -> bool:
-        return key in self._t1 or key in self._t2
+        return key in self._t1 or key in self._t2 or self._links.is_parked(key)
 
     def __repr__(self) -> str:
         return (
-            f"<ARC {len(self)}/{self.capacity} t1={len(self._t1)} t2={len(self._t2)}"
-            f" b1={len(self._b1)} b2={len(self._b2)} target={self._target:.1f}>"
+            f"<ARC {len(self)}/{self.capacity} t1={self._t1_size()} t2={len(self._t2) + self._links.parked(_T2)}"
+            f" b1={len(self._b1)} b2={len(self._b2)} target={self._target:.1f} parked={self._links.parked()}>"
         )
 
-    def insert(self, key: ChunkKey) -> None:
+    def _t1_size(self) -> int:
+        return len(self._t1) + self._links.parked(_T1)
+
+    def insert(self, key: ChunkKey, parent: ChunkKey | None = None) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        if key in t1 or key in t2:
+        if key in t1 or key in t2 or self._links.is_parked(key):
             raise duplicate(key)
+        if parent is not None:
+            self._links.link(key, parent)
         if b1.discard(key):
             self._target = min(float(self.capacity), self._target + max(1.0, len(b2) / (len(b1) + 1)))
-            t2[key] = None
+            t2[key] = parent
         elif b2.discard(key):
             self._target = max(0.0, self._target - max(1.0, len(b1) / (len(b2) + 1)))
-            t2[key] = None
+            t2[key] = parent
         else:
-            t1[key] = None
+            t1[key] = parent
             self._trim_ghosts()
 
     def _trim_ghosts(self) -> None:
         """After a new key: keep |T1| + |B1| <= c, else the whole directory <= 2c (case IV)."""
-        t1, b1, b2 = self._t1, self._b1, self._b2
+        b1, b2 = self._b1, self._b2
         if not (b1 or b2):
             return
         c = self.capacity
-        over = len(t1) + len(b1) - c
+        over = self._t1_size() + len(b1) - c
         if over > 0:
             for _ in range(min(over, len(b1))):
                 b1.pop_oldest()
             return
-        over_all = over + len(self._t2) + len(b2) - c  # the whole directory above 2c
+        over_all = over + len(self._t2) + self._links.parked(_T2) + len(b2) - c  # the directory above 2c
         for _ in range(min(over_all, len(b2))):
             b2.pop_oldest()
 
@@ -106,53 +117,95 @@ class ARC:
         if key in t2:
             t2.move_to_end(key)
             return
-        try:
-            del self._t1[key]
-        except KeyError:
-            raise missing(key) from None
-        t2[key] = None
+        parent = self._t1.pop(key, _ABSENT)
+        t2[key] = self._links.take_parked(key) if parent is _ABSENT else parent
 
     def remove(self, key: ChunkKey) -> None:
-        try:
-            del self._t1[key]
-        except KeyError:
-            try:
-                del self._t2[key]
-            except KeyError:
-                raise missing(key) from None
+        self._links.unlink(key, self._take_out(key)[1])
+
+    def _take_out(self, key: ChunkKey) -> tuple[int, ChunkKey | None]:
+        """Drop ``key`` from T1, T2 or the parked keys: where it was, and its predecessor."""
+        parent = self._t1.pop(key, _ABSENT)
+        if parent is not _ABSENT:
+            return _T1, parent
+        parent = self._t2.pop(key, _ABSENT)
+        if parent is not _ABSENT:
+            return _T2, parent
+        parked = self._links.unpark(key)
+        if parked is None:
+            raise missing(key)
+        return parked
+
+    def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
+        parent = self._t1.get(key, _ABSENT)
+        if parent is _ABSENT:
+            parent = self._t2.get(key, _ABSENT)
+        return self._links.parked_parent(key) if parent is _ABSENT else parent
+
+    def _release(self, key: ChunkKey, place: int, parent: ChunkKey | None) -> None:
+        keys = self._t1 if place == _T1 else self._t2
+        keys[key] = parent
+        keys.move_to_end(key, last=False)
 
     def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
-        """``n`` unprotected keys by ARC's replacement rule, moved to the ghost lists.
+        """``n`` keys that may go, by ARC's replacement rule, moved to the ghost lists.
 
-        Victims are chosen by reading T1 and T2 from their old ends, and only then
-        removed, so a failure changes nothing. Costs O(n + p) for p protected keys
-        passed over; a failure has looked at every key.
+        Victims are chosen by walking T1 and T2 from their old ends, and only then
+        removed, so a failure changes nothing. Costs O(n + p) for p keys passed over
+        (protected, or parked for their successors); a failure has looked at every key.
         """
         check_count(n)
         if n == 0:
             return []
-        t1, t2 = self._t1, self._t2
-        if n > len(t1) + len(t2):
+        if n > len(self):
             return None
-        old1, old2 = iter(t1), iter(t2)
-        left_in_t1 = len(t1)
-        victims: list[ChunkKey] = []
+        t1, t2, links = self._t1, self._t2, self._links
+        if n == 1:
+            return self._evict_one(protected)
+        victims = Victims(links, self._parent_of, protected)
+        walks = {_T1: LeafWalk(t1, victims, _T1), _T2: LeafWalk(t2, victims, _T2)}
+        left_in_t1 = self._t1_size()
         while len(victims) < n:
-            from_t1 = left_in_t1 > 0 and left_in_t1 > self._target
-            key = _next_unprotected(old1 if from_t1 else old2, protected)
+            place = _T1 if left_in_t1 > 0 and left_in_t1 > self._target else _T2
+            key = walks[place].next()
             if key is None:
-                from_t1 = not from_t1
-                key = _next_unprotected(old1 if from_t1 else old2, protected)
+                place = _T2 if place == _T1 else _T1
+                key = walks[place].next()
                 if key is None:
                     return None
-            if from_t1:
+            if place == _T1:
                 left_in_t1 -= 1
-            victims.append(key)
-        for key in victims:
-            if key in t1:
-                del t1[key]
-                self._b1.add(key)
-            else:
-                del t2[key]
-                self._b2.add(key)
-        return victims
+            freed = victims.take(key)
+            if freed is not None and not walks[_T1].freed(freed):
+                walks[_T2].freed(freed)
+        for place, walk in walks.items():
+            self._park(walk.passed(), place)
+        for key in victims.keys:
+            self._to_ghost(key)
+        return victims.keys
+
+    def _evict_one(self, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
+        """:meth:`evict` of one key: the same rule without the bookkeeping of many."""
+        first_leaf = self._links.first_leaf
+        in_t1 = self._t1_size()
+        places = (_T1, _T2) if in_t1 > 0 and in_t1 > self._target else (_T2, _T1)
+        for place in places:
+            key, passed = first_leaf(self._t1 if place == _T1 else self._t2, protected)
+            if key is not None:
+                if passed:
+                    self._park(passed, place)
+                self._to_ghost(key)
+                return [key]
+        return None
+
+    def _park(self, keys: list[ChunkKey], place: int) -> None:
+        """Take keys whose successors are resident out of their list until they leave."""
+        listed, park = self._t1 if place == _T1 else self._t2, self._links.park
+        for key in keys:
+            park(key, place, listed.pop(key))
+
+    def _to_ghost(self, key: ChunkKey) -> None:
+        """Move victim ``key`` from its list (or its parking place) to the matching ghost list."""
+        place, parent = self._take_out(key)
+        (self._b1 if place == _T1 else self._b2).add(key)
+        self._links.unlink(key, parent)

@@ -6,74 +6,118 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import cast
 
-from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
+from tiered_kv.policies._checks import check_capacity, check_count, duplicate
+from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
 
 from tiered_kv.keys import ChunkKey
 
+#: Marks "not in the order" where a predecessor (a key or ``None``) is expected.
+_ABSENT = cast("ChunkKey | None", object())
+
 
 class LRU:
-    """Evicts the key whose last insert or touch is oldest.
+    """Evicts the key whose last insert or touch is oldest, leaves of the prefix tree first.
 
-    One ``OrderedDict`` from least to most recently used: a touch is ``move_to_end``, an
-    eviction walks from the front past protected keys. ``clock`` and ``rng`` are accepted
-    for the common constructor and unused: LRU is deterministic.
+    One ``OrderedDict`` from least to most recently used, mapping each key to its
+    predecessor: a touch is ``move_to_end``, an eviction walks from the front past
+    protected keys, and parks keys whose successors are still resident (see
+    :mod:`tiered_kv.policies.prefix`) until they leave, when the parked key returns to
+    the front. ``clock`` and ``rng`` are accepted for the common constructor and unused:
+    LRU is deterministic.
     """
 
     name = "lru"
-    __slots__ = ("_order", "capacity")
+    __slots__ = ("_links", "_order", "capacity")
 
     def __init__(
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
     ) -> None:
         self.capacity = check_capacity(capacity)
-        self._order: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._order: OrderedDict[ChunkKey, ChunkKey | None] = OrderedDict()
+        self._links = PrefixLinks(self._release)
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + self._links.parked()
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return key in self._order or self._links.is_parked(key)
 
     def __repr__(self) -> str:
-        return f"<LRU {len(self._order)}/{self.capacity}>"
+        return f"<LRU {len(self)}/{self.capacity} parked={self._links.parked()}>"
 
-    def insert(self, key: ChunkKey) -> None:
+    def insert(self, key: ChunkKey, parent: ChunkKey | None = None) -> None:
         order = self._order
-        if key in order:
+        if key in order or self._links.is_parked(key):
             raise duplicate(key)
-        order[key] = None
+        if parent is not None:
+            self._links.link(key, parent)
+        order[key] = parent
 
     def touch(self, key: ChunkKey) -> None:
         try:
             self._order.move_to_end(key)
         except KeyError:
-            raise missing(key) from None
+            self._order[key] = self._links.take_parked(key)
 
     def remove(self, key: ChunkKey) -> None:
-        try:
-            del self._order[key]
-        except KeyError:
-            raise missing(key) from None
+        self._links.unlink(key, self._take_out(key))
+
+    def _take_out(self, key: ChunkKey) -> ChunkKey | None:
+        """Drop ``key`` from the order, or from the parked keys; its predecessor."""
+        parent = self._order.pop(key, _ABSENT)
+        return self._links.take_parked(key) if parent is _ABSENT else parent
+
+    def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
+        parent = self._order.get(key, _ABSENT)
+        return self._links.parked_parent(key) if parent is _ABSENT else parent
+
+    def _park(self, keys: list[ChunkKey]) -> None:
+        """Take keys whose successors are resident out of the order until they leave."""
+        order, park = self._order, self._links.park
+        for key in keys:
+            park(key, 0, order.pop(key))
+
+    def _release(self, key: ChunkKey, place: int, parent: ChunkKey | None) -> None:
+        order = self._order
+        order[key] = parent
+        order.move_to_end(key, last=False)
 
     def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
-        """The ``n`` least recently used unprotected keys, or ``None`` changing nothing.
+        """The ``n`` least recently used keys that may go, or ``None`` changing nothing.
 
-        Costs O(n + p) for p protected keys passed over at the old end; a failure has
-        looked at every key.
+        A key set free by the victims (its last resident successor taken) is older than
+        the walk's position and goes next. Costs O(n + p) for p keys passed over at the
+        old end (protected, or parked for their successors); a failure has looked at
+        every key.
         """
+        order, links = self._order, self._links
+        if n == 1:  # the common case, without the bookkeeping of many victims
+            key, passed = links.first_leaf(order, protected)
+            if key is None:
+                return None
+            if passed:
+                self._park(passed)
+            parent = order.pop(key)
+            if parent is not None:
+                links.unlink(key, parent)
+            return [key]
         check_count(n)
         if n == 0:
             return []
-        order = self._order
-        victims: list[ChunkKey] = []
-        for key in order:
-            if not protected(key):
-                victims.append(key)
-                if len(victims) == n:
-                    break
-        else:
+        if n > len(self):
             return None
-        for key in victims:
-            del order[key]
-        return victims
+        victims = Victims(links, self._parent_of, protected)
+        walk = LeafWalk(order, victims)
+        while len(victims) < n:
+            key = walk.next()
+            if key is None:
+                return None
+            freed = victims.take(key)
+            if freed is not None:
+                walk.freed(freed)
+        self._park(walk.passed())
+        for key in victims.keys:
+            links.unlink(key, self._take_out(key))
+        return victims.keys

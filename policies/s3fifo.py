@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
+from tiered_kv.policies.prefix import PrefixLinks, Victims
 
 from tiered_kv.keys import ChunkKey
 
@@ -28,9 +29,14 @@ from tiered_kv.keys import ChunkKey
 _MAIN = 4
 #: State bits: hits since the key entered its queue or last went round main, capped at 3.
 _HITS = 3
-#: Journal codes of :meth:`S3FIFO.evict`: the entry came from main; it was appended to main.
+#: Journal codes of :meth:`S3FIFO.evict`: the entry came from main; it was appended to
+#: main; it was parked for its successors; it was put back at the front of its queue.
 _FROM_MAIN = 2
 _APPENDED = 1
+_PARKED = 4
+_REQUEUED = 8
+#: Where a parked key returns: the small queue or main.
+_SMALL_QUEUE, _MAIN_QUEUE = 0, 1
 #: Dead queue entries tolerated beyond twice the resident keys before compaction.
 _SLACK = 64
 
@@ -49,7 +55,17 @@ class S3FIFO:
     """
 
     name = "s3fifo"
-    __slots__ = ("_ghost", "_main", "_n_small", "_small", "_small_target", "_state", "capacity")
+    __slots__ = (
+        "_ghost",
+        "_links",
+        "_main",
+        "_n_small",
+        "_parents",
+        "_small",
+        "_small_target",
+        "_state",
+        "capacity",
+    )
 
     def __init__(
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
@@ -61,6 +77,8 @@ class S3FIFO:
         self._main: deque[ChunkKey] = deque()
         self._n_small = 0
         self._ghost = GhostQueue(max(1, capacity - self._small_target))
+        self._links = PrefixLinks(self._release, places=2)
+        self._parents: dict[ChunkKey, ChunkKey] = {}  # resident key -> its predecessor, if it has one
 
     def __len__(self) -> int:
         return len(self._state)
@@ -81,10 +99,13 @@ class S3FIFO:
         except KeyError:
             raise missing(key) from None
 
-    def insert(self, key: ChunkKey) -> None:
+    def insert(self, key: ChunkKey, parent: ChunkKey | None = None) -> None:
         state = self._state
         if key in state:
             raise duplicate(key)
+        if parent is not None:
+            self._links.link(key, parent)
+            self._parents[key] = parent
         if self._ghost.discard(key):
             state[key] = _MAIN
             self._main.append(key)
@@ -107,6 +128,8 @@ class S3FIFO:
             value = self._state.pop(key)
         except KeyError:
             raise missing(key) from None
+        self._links.unpark(key)
+        self._links.unlink(key, self._parents.pop(key, None))
         if not value & _MAIN:
             self._n_small -= 1
         if len(self._small) + len(self._main) > 2 * len(self._state) + _SLACK:
@@ -127,26 +150,33 @@ class S3FIFO:
         self._small = live(self._small, 0)
         self._main = live(self._main, _MAIN)
 
+    def _release(self, key: ChunkKey, place: int, parent: ChunkKey | None) -> None:
+        (self._main if place == _MAIN_QUEUE else self._small).appendleft(key)
+
     def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
-        """``n`` unprotected keys by S3-FIFO's rule, or ``None`` changing nothing.
+        """``n`` keys that may go by S3-FIFO's rule, or ``None`` changing nothing.
 
         The queues are worked as the paper does (promotions to main, second rounds in
-        main), each step journaled; if the keys run out before ``n`` victims are found,
-        the journal is undone in reverse. Protected keys are set aside and put back at
-        the front of their queue. Amortised O(n) plus O(p) for p protected keys at the
-        fronts; a failure has looked at every key.
+        main), each step journaled, keys with resident successors set aside to be parked;
+        if the keys run out before ``n`` victims are found, the journal is undone in
+        reverse. A key the victims set free goes back to the front of its queue, to be
+        looked at next. Protected keys are set aside and put back at the front of their
+        queue. Amortised O(n) plus O(p) for p keys passed over at the fronts; a failure
+        has looked at every key.
         """
         check_count(n)
         if n == 0:
             return []
-        state = self._state
+        state, links = self._state, self._links
         if n > len(state):
             return None
         small, main = self._small, self._main
         n_small, target = self._n_small, self._small_target
-        victims: list[ChunkKey] = []
+        chosen = Victims(links, self._parents.get, protected)
+        victims = chosen.keys
         leaving_small: list[ChunkKey] = []  # victims that become ghosts
         held: list[tuple[ChunkKey, int]] = []  # protected keys set aside, with their queue
+        parking: dict[ChunkKey, int] = {}  # keys set aside for their successors -> queue code
         journal: list[tuple[ChunkKey, int, int]] = []  # (key, code, old state or -1)
         while len(victims) < n:
             if small and (n_small >= target or not main):
@@ -162,12 +192,17 @@ class S3FIFO:
                     main.append(key)
                     n_small -= 1
                     journal.append((key, _APPENDED, value))
+                elif not chosen.is_free(key):
+                    parking[key] = 0
+                    journal.append((key, _PARKED, -1))
                 else:
                     del state[key]
                     n_small -= 1
-                    victims.append(key)
+                    freed = chosen.take(key)
                     leaving_small.append(key)
                     journal.append((key, 0, value))
+                    if freed is not None:
+                        self._requeue(freed, parking, journal, protected)
             elif main:
                 key = main.popleft()
                 value = state.get(key, 0)
@@ -180,26 +215,64 @@ class S3FIFO:
                     state[key] = value - 1
                     main.append(key)
                     journal.append((key, _FROM_MAIN | _APPENDED, value))
+                elif not chosen.is_free(key):
+                    parking[key] = _FROM_MAIN
+                    journal.append((key, _FROM_MAIN | _PARKED, -1))
                 else:
                     del state[key]
-                    victims.append(key)
+                    freed = chosen.take(key)
                     journal.append((key, _FROM_MAIN, value))
+                    if freed is not None:
+                        self._requeue(freed, parking, journal, protected)
             else:
                 self._undo(journal)
                 return None
         for key, code in reversed(held):
             (main if code else small).appendleft(key)
+        for key, code in parking.items():
+            links.park(key, _MAIN_QUEUE if code else _SMALL_QUEUE, None)
         self._n_small = n_small
         for key in leaving_small:
             self._ghost.add(key)
+        parents = self._parents
+        for key in victims:
+            links.unlink(key, parents.pop(key, None))
         return victims
+
+    def _requeue(
+        self,
+        key: ChunkKey,
+        parking: dict[ChunkKey, int],
+        journal: list[tuple[ChunkKey, int, int]],
+        protected: Callable[[ChunkKey], bool],
+    ) -> None:
+        """Victims set ``key`` free: put it back at the front of its queue, to go next,
+        whether this eviction set it aside or an earlier one parked it."""
+        code = parking.pop(key, None)
+        if code is not None:
+            (self._main if code else self._small).appendleft(key)
+            journal.append((key, code | _REQUEUED, -1))
+            return
+        place = self._links.place_of(key)
+        if place is None or protected(key):
+            return
+        self._links.unpark(key)
+        code = _FROM_MAIN if place == _MAIN_QUEUE else 0
+        (self._main if code else self._small).appendleft(key)
+        journal.append((key, code | _REQUEUED, place))
 
     def _undo(self, journal: list[tuple[ChunkKey, int, int]]) -> None:
         """Put every popped key back where it was, with its old state."""
         small, main, state = self._small, self._main, self._state
         for key, code, old in reversed(journal):
+            queue = main if code & _FROM_MAIN else small
+            if code & _REQUEUED:
+                queue.popleft()
+                if old >= 0:  # an earlier eviction had parked it
+                    self._links.park(key, old, None)
+                continue
             if code & _APPENDED:
                 main.pop()
-            (main if code & _FROM_MAIN else small).appendleft(key)
+            queue.appendleft(key)
             if old >= 0:
                 state[key] = old

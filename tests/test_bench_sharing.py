@@ -29,7 +29,7 @@ TINY = make_namespace(
 async def test_sharing_a_remote_tier_buys_hits_the_engines_alone_miss() -> None:
     requests = standard_traces(7, scale=60 / 4000)[TRACE]
     args = argparse.Namespace(cpu_fraction=0.1, nvme_fraction=0.4, nvme_dir=None, prefill_tokens_per_s=10_000.0)
-    figures = await two_engine_figures(requests, TINY, args)
+    figures = await two_engine_figures(TRACE, requests, TINY, args)
     assert isinstance(figures, SharingFigures)
     alone, shared = figures.runs
     assert (alone.mode, shared.mode) == ("alone", "shared")

@@ -16,7 +16,7 @@ import torch
 from conftest import make_namespace
 from tiered_kv.tiers.nvme import NvmeTier
 from tiered_kv.tiers.nvme_format import HEADER_BYTES
-from tiered_kv.tiers.nvme_journal import encode_frame, write_record
+from tiered_kv.tiers.nvme_journal import Identity, encode_checkpoint, encode_frame, write_record
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
 from tiered_kv.cli import main
@@ -341,3 +341,17 @@ def test_a_store_directory_that_is_a_link_is_damage_and_is_not_followed(
     assert code == 1
     assert damage_lines(report) == ["problem: it is a symbolic link: opening this store is refused"]
     assert [entry["groups"] for entry in document["stores"]] == [[]]
+
+
+def test_a_slot_map_giving_no_slot_size_is_damage_not_a_crash(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Regression (issue 9.6): a manifest decoding with slot_bytes=-4096 made `inspect --verify`
+    # end in ZeroDivisionError. The slot map's header now holds an unsigned size, and a size
+    # of zero (the one impossible value left), checksummed as if written by a store, is
+    # reported as damage with exit status 1.
+    fingerprint = hybrid().fingerprint
+    identity = Identity(fingerprint, 1, 0)
+    (store_dir(store) / "g1.checkpoint").write_bytes(b"".join(encode_checkpoint(identity, 1, [], [])))
+    (store_dir(store) / "g1.journal").write_bytes(b"")
+    code, report, _ = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    assert any("0 bytes per slot" in line for line in damage_lines(report)), report

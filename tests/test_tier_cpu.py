@@ -1,14 +1,17 @@
-"""The cpu tier: the contract, page-aligned zero-copy slot views, pinning."""
+"""The cpu tier: the contract, page-aligned zero-copy slot views, pinning, slabs over a
+foreign (shared) buffer."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
 import torch
 from tiered_kv.tiers._driver import PAGE
-from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
+from tiered_kv.tiers.pinned_cpu import PinnedCpuTier, aligned_empty
 
+from tiered_kv.errors import ConfigError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.testing import TierDriverContract
 
@@ -18,6 +21,41 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 class TestCpuContract(TierDriverContract):
     async def make_tier(self, path: Path, dtype: str) -> PinnedCpuTier:
         return PinnedCpuTier(slot_bytes=3 * 4096 + 100, num_slots=6)
+
+
+class TestCpuOverASharedMappingContract(TierDriverContract):
+    async def make_tier(self, path: Path, dtype: str) -> PinnedCpuTier:
+        buffer = torch.frombuffer(mmap.mmap(-1, 6 * 4 * 4096), dtype=torch.uint8)
+        return PinnedCpuTier(slot_bytes=3 * 4096 + 100, num_slots=6, buffer=buffer)
+
+
+def test_two_tiers_over_one_mapping_see_each_others_slots() -> None:
+    # Given one shared mapping, as the scheduler and a worker of one engine each map it
+    mapping = mmap.mmap(-1, 8 * PAGE)
+    first = PinnedCpuTier(slot_bytes=PAGE + 1, num_slots=4, buffer=torch.frombuffer(mapping, dtype=torch.uint8))
+    second = PinnedCpuTier(slot_bytes=PAGE + 1, num_slots=4, buffer=torch.frombuffer(mapping, dtype=torch.uint8))
+    # When one writes a slot through its view
+    first.view(3).copy_(torch.arange(PAGE + 1) % 253)
+    # Then the other reads the same bytes in the same slot, and the mapping holds them
+    assert torch.equal(second.view(3), (torch.arange(PAGE + 1) % 253).to(torch.uint8))
+    assert mapping[6 * PAGE : 6 * PAGE + 3] == bytes([0, 1, 2])
+    assert first.shared and second.shared
+    assert not PinnedCpuTier(slot_bytes=PAGE, num_slots=1).shared
+
+
+@pytest.mark.parametrize(
+    ("buffer", "reason"),
+    [
+        (aligned_empty(3 * PAGE), "holds"),
+        (aligned_empty(5 * PAGE)[1:], "page boundary"),
+        (aligned_empty(4 * PAGE).view(torch.int32), "uint8"),
+        (aligned_empty(4 * PAGE).view(2, 2 * PAGE), "1-D"),
+    ],
+)
+def test_a_buffer_that_cannot_hold_the_slots_is_refused(buffer: torch.Tensor, reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason) as err:
+        PinnedCpuTier(slot_bytes=PAGE, num_slots=4, buffer=buffer)
+    assert err.value.field == "buffer"
 
 
 def test_slot_views_are_page_aligned_and_share_the_slab() -> None:
@@ -55,3 +93,14 @@ async def test_with_cuda_the_slab_is_page_locked() -> None:
     tier = PinnedCpuTier(slot_bytes=1 << 20, num_slots=4)
     assert tier.pinned and tier.view(3).is_pinned()
     await tier.close()
+
+
+@pytest.mark.cuda
+@requires_cuda
+async def test_with_cuda_a_shared_mapping_is_page_locked_until_close() -> None:
+    mapping = mmap.mmap(-1, 4 << 20)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+    tier = PinnedCpuTier(slot_bytes=1 << 20, num_slots=4, buffer=buffer)
+    assert tier.pinned and tier.view(3).is_pinned()
+    await tier.close()
+    assert not buffer.is_pinned()

@@ -1,4 +1,4 @@
-"""The ``tiered-kv`` command line: ``bench``, ``inspect``, ``config check``.
+"""The ``tiered-kv`` command line: ``bench``, ``inspect``, ``config check``, ``plan``.
 
 The CLI is the one place that configures structlog (console or JSON lines on stderr);
 the library only emits events. No command shows a traceback unless ``--log-level debug``
@@ -23,6 +23,7 @@ from tiered_kv.cli_errors import EXIT_FAILED, EXIT_USAGE, UsageError
 from tiered_kv.config_check import add_config_parser
 from tiered_kv.errors import TieredKVError
 from tiered_kv.inspect_command import add_inspect_parser
+from tiered_kv.plan_command import add_plan_parser
 
 #: Exit status after Ctrl-C, as a shell reports a command killed by SIGINT.
 EXIT_INTERRUPTED = 130
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     add_inspect_parser(subparsers)
     add_config_parser(subparsers)
+    add_plan_parser(subparsers)
     return parser
 
 

@@ -472,6 +472,8 @@ class ControlPlane:
         pools = self.pools_of(namespace)
         fingerprint = namespace.fingerprint_hex
         planned: list[tuple[Pool, list[tuple[ChunkKey, tuple[int, ...]]]]] = []
+        #: Each chunk's predecessor: the previous position's key (stored or skipped).
+        parents: dict[ChunkKey, ChunkKey | None] = {}
         skipped = 0
         for pool, group_keys, table in zip(pools, keys, block_ids, strict=True):
             k = pool.blocks_per_chunk
@@ -483,6 +485,7 @@ class ControlPlane:
                     skipped += 1
                     continue
                 seen.add(key)
+                parents[key] = group_keys[c - 1] if c else None
                 candidates.append((key, blocks))
             copied = [block for _, blocks in candidates for block in blocks]
             if len(set(copied)) != len(copied):
@@ -494,15 +497,15 @@ class ControlPlane:
             if pool.admission is not None:
                 # Every chunk is a sighting; after one the filter turns away, the rest of the
                 # prefix would be unreachable, so none of it is stored.
-                admitted = [pool.admission.admit(key) for key, _ in candidates]
+                admitted = [pool.admission.admit(key, parents[key]) for key, _ in candidates]
                 chunks = candidates[: admitted.index(False)] if False in admitted else candidates
                 skipped += len(candidates) - len(chunks)
             if not chunks:
                 continue
             owner = self.owner(pool, fingerprint)
-            reservation = pool.cpu.reserve((key for key, _ in chunks), owner, fingerprint)
+            reservation = pool.cpu.reserve((key for key, _ in chunks), owner, fingerprint, parents=parents)
             if reservation is None and partial:
-                reservation, chunks = self._reserve_prefix(pool, chunks, owner, fingerprint)
+                reservation, chunks = self._reserve_prefix(pool, chunks, owner, fingerprint, parents)
                 skipped += len(candidates) - len(chunks)
             if reservation is None:
                 # Nothing has been copied yet: undo the other groups' reservations, their
@@ -519,13 +522,17 @@ class ControlPlane:
 
     @staticmethod
     def _reserve_prefix(
-        pool: Pool, chunks: list[tuple[ChunkKey, tuple[int, ...]]], owner: str, namespace: str
+        pool: Pool,
+        chunks: list[tuple[ChunkKey, tuple[int, ...]]],
+        owner: str,
+        namespace: str,
+        parents: dict[ChunkKey, ChunkKey | None],
     ) -> tuple[Reservation | None, list[tuple[ChunkKey, tuple[int, ...]]]]:
         """Reserve chunks one at a time, in prefix order, until one does not fit."""
         slots: dict[ChunkKey, int] = {}
         evicted: list[Victim] = []
         for key, _ in chunks:
-            one = pool.cpu.reserve([key], owner, namespace)
+            one = pool.cpu.reserve([key], owner, namespace, parents=parents)
             if one is None:
                 break
             slots.update(one.slots)
@@ -558,7 +565,10 @@ class ControlPlane:
         if pool.nvme is None:
             return None
         wanted = [key for key in keys if pool.cpu.is_ready(key) and key not in pool.nvme]
-        chunks = [Victim(key, pool.cpu.pin(key), pool.cpu.owner(key), pool.cpu.namespace(key)) for key in wanted]
+        chunks = [
+            Victim(key, pool.cpu.pin(key), pool.cpu.owner(key), pool.cpu.namespace(key), pool.cpu.parent(key))
+            for key in wanted
+        ]
         write = self._plan_nvme_write(pool, chunks, pinned=wanted)
         if write is None:
             for key in wanted:
@@ -579,7 +589,8 @@ class ControlPlane:
         planned: list[tuple[ChunkKey, int, int]] = []
         for owner, namespace in dict.fromkeys((chunk.owner, chunk.namespace) for chunk in chunks):
             mine = [(c.key, c.slot) for c in chunks if (c.owner, c.namespace) == (owner, namespace)]
-            reservation = pool.nvme.reserve((key for key, _ in mine), owner, namespace)
+            parents = {c.key: c.parent for c in chunks}
+            reservation = pool.nvme.reserve((key for key, _ in mine), owner, namespace, parents=parents)
             if reservation is None:
                 log.info("tier.full", tier="nvme", namespace=owner, n_chunks=len(mine))
                 continue
@@ -617,7 +628,7 @@ class ControlPlane:
             return False  # a store of it is in flight: not a hit yet
         nvme_slot = pool.nvme.pin(key)
         owner = pool.nvme.owner(key)
-        reservation = pool.cpu.reserve([key], owner, namespace)
+        reservation = pool.cpu.reserve([key], owner, namespace, parents={key: pool.nvme.parent(key)})
         if reservation is None:
             pool.nvme.unpin(key)
             log.info("tier.full", tier="cpu", namespace=pool.fingerprint, reason="promotion")

@@ -13,7 +13,7 @@ and, optionally, a quota of chunks another namespace's traffic cannot take.
 from __future__ import annotations
 
 import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -48,6 +48,8 @@ class Victim(NamedTuple):
     slot: int
     owner: str
     namespace: str
+    #: The chunk before it in its prompt (``None``: the first, or not known).
+    parent: ChunkKey | None = None
 
 
 class Reservation:
@@ -90,6 +92,8 @@ class TierIndex:
         #: … and, where it is not the same, the share it counts in (a tenant past
         #: ``max_tenants`` counts in the model's share).
         self._other_owner: dict[int, str] = {}
+        #: Each slot's chunk's predecessor, as it was stored (see :meth:`reserve`).
+        self._parent: list[ChunkKey | None] = [None] * n
         self._partition = partition
         self._pinned = 0
 
@@ -130,6 +134,10 @@ class TierIndex:
         assert namespace is not None
         return namespace
 
+    def parent(self, key: ChunkKey) -> ChunkKey | None:
+        """The predecessor ``key`` was stored with (``None``: first of its prompt, or unknown)."""
+        return self._parent[self._require(key)]
+
     def pins(self, key: ChunkKey) -> int:
         return self._pins[self._require(key)]
 
@@ -157,16 +165,34 @@ class TierIndex:
         return len(self._slots)
 
     # -- deciding ----------------------------------------------------------------------
-    def reserve(self, keys: Iterable[ChunkKey], owner: str, namespace: str | None = None) -> Reservation | None:
+    def reserve(
+        self,
+        keys: Iterable[ChunkKey],
+        owner: str,
+        namespace: str | None = None,
+        *,
+        parents: Mapping[ChunkKey, ChunkKey | None] | None = None,
+    ) -> Reservation | None:
         """PENDING slots for ``keys`` (none of them resident) of ``namespace`` (default:
         ``owner``), counted in ``owner``'s share, evicting unpinned READY chunks the
-        partition allows; ``None``, changing nothing, when there is no room."""
+        partition allows; ``None``, changing nothing, when there is no room.
+
+        ``parents`` names each key's predecessor (the key of the previous chunk position of
+        its prompt, resident here or not); keys it leaves out start a prefix. A
+        predecessor is never evicted to make room for its successor, which would leave the
+        successor unreachable."""
         namespace = owner if namespace is None else namespace
         wanted = list(dict.fromkeys(keys))
+        parent_of = (parents or {}).get
         for key in wanted:
             if key in self._slots:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
-        victims = self._partition.make_room(owner, len(wanted), self._is_protected)
+            if parent_of(key) == key:
+                raise TieredKVError(f"{self.tier}: chunk {key.hex()} cannot be its own predecessor")
+        # The new chunks' predecessors stay, and with them every chunk before them.
+        kept = {parent for parent in map(parent_of, wanted) if parent is not None}
+        protected = self._is_protected if not kept else lambda key: key in kept or self._is_protected(key)
+        victims = self._partition.make_room(owner, len(wanted), protected, self._parent_of)
         if victims is None:
             return None
         evicted = []
@@ -175,14 +201,14 @@ class TierIndex:
                 slot = self._slots.pop(victim)
                 victim_namespace = self._namespace[slot]
                 assert victim_namespace is not None
+                evicted.append(Victim(victim, slot, victim_owner, victim_namespace, self._parent[slot]))
                 self._free(slot)
-                evicted.append(Victim(victim, slot, victim_owner, victim_namespace))
         slots = self._allocator.allocate(len(wanted))
         if slots is None:  # pragma: no cover - make_room made exactly enough room
             raise TieredKVError(f"{self.tier}: allocator lost track of free slots")
         reserved = dict(zip(wanted, slots, strict=True))
         for key, slot in reserved.items():
-            self._occupy(key, slot, owner, namespace, PENDING)
+            self._occupy(key, slot, owner, namespace, PENDING, parent_of(key))
         return Reservation(reserved, evicted)
 
     def unreserve(self, reservation: Reservation) -> None:
@@ -192,7 +218,10 @@ class TierIndex:
         for key in reservation.slots:
             self.drop(key)
         for victim in reservation.evicted:
-            self.restore(victim.key, victim.slot, victim.owner, victim.namespace)
+            self.restore(victim.key, victim.slot, victim.owner, victim.namespace, victim.parent)
+
+    def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
+        return self._parent[self._slots[key]]
 
     def _is_protected(self, key: ChunkKey) -> bool:
         slot = self._slots.get(key)
@@ -221,13 +250,15 @@ class TierIndex:
         self._free(slot)
         return slot
 
-    def restore(self, key: ChunkKey, slot: int, owner: str, namespace: str | None = None) -> None:
+    def restore(
+        self, key: ChunkKey, slot: int, owner: str, namespace: str | None = None, parent: ChunkKey | None = None
+    ) -> None:
         """Record a READY chunk of ``namespace`` (default: ``owner``) already held in
-        ``slot`` (warm restart)."""
+        ``slot``, continuing ``parent`` (a victim put back)."""
         if key in self._slots:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         self._allocator.claim(slot)
-        self._occupy(key, slot, owner, owner if namespace is None else namespace, READY)
+        self._occupy(key, slot, owner, owner if namespace is None else namespace, READY, parent)
 
     def restore_many(self, keys: Sequence[ChunkKey], slots: Sequence[int], namespace: str) -> None:
         """Record READY chunks of ``namespace`` (their own share) already held in ``slots``:
@@ -284,13 +315,16 @@ class TierIndex:
         if pins == 1:
             self._pinned -= 1
 
-    def _occupy(self, key: ChunkKey, slot: int, owner: str, namespace: str, state: int) -> None:
+    def _occupy(
+        self, key: ChunkKey, slot: int, owner: str, namespace: str, state: int, parent: ChunkKey | None
+    ) -> None:
+        self._partition.insert(owner, key, parent)  # first: a bad parent changes nothing
         self._slots[key] = slot
         self._state[slot] = state
         self._namespace[slot] = namespace
+        self._parent[slot] = parent
         if owner != namespace:
             self._other_owner[slot] = owner
-        self._partition.insert(owner, key)
 
     def _free(self, slot: int) -> None:
         self._state[slot] = FREE
@@ -298,7 +332,7 @@ class TierIndex:
             self._hits[slot] = 0
         if self._lease is not None:
             self._lease[slot] = -1
-        self._namespace[slot] = None
+        self._namespace[slot] = self._parent[slot] = None
         self._other_owner.pop(slot, None)
         self._allocator.release(slot)
 

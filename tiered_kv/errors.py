@@ -109,3 +109,7 @@ class PolicyError(TieredKVError, ValueError):
 
 class BusyError(TieredKVError):
     """A ``*_nowait`` call would have had to wait for room in a bounded queue."""
+
+
+class TraceFormatError(TieredKVError, ValueError):
+    """A request trace file is not in the format its reader expects (one line)."""

@@ -197,6 +197,14 @@ class CachePolicy(Protocol):
 
     The owner calls :meth:`insert` when a chunk becomes resident, :meth:`touch` on a hit,
     :meth:`remove` when it drops a chunk itself, and :meth:`evict` to choose victims.
+
+    **Prefix property.** A chunk is useful only while every chunk before it is resident,
+    so the owner names each chunk's *predecessor* on insert (the key of the previous
+    chunk position of the same prompt) and a policy never evicts a key while a resident
+    key names it as predecessor: descendants go first, leaves before their ancestors, as
+    in a radix-tree cache. A predecessor need not be resident (it may live in another
+    tier, or come later): a key whose predecessor is absent is a root until it arrives.
+    Predecessors form a forest, as chained chunk keys always do.
     """
 
     name: str
@@ -205,15 +213,19 @@ class CachePolicy(Protocol):
 
     def __contains__(self, key: object) -> bool: ...
 
-    def insert(self, key: ChunkKey) -> None: ...
+    def insert(self, key: ChunkKey, parent: ChunkKey | None = None) -> None:
+        """Count ``key`` as resident, continuing ``parent`` (``None``: the prompt's first chunk)."""
+        ...
 
     def touch(self, key: ChunkKey) -> None: ...
 
     def remove(self, key: ChunkKey) -> None: ...
 
     def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
-        """Exactly ``n`` resident keys for which ``protected`` is false, removed from the
-        policy; or ``None``, changing nothing, when there are not ``n`` such keys."""
+        """Exactly ``n`` resident keys for which ``protected`` is false and no key left
+        resident names as predecessor, removed from the policy; or ``None``, changing
+        nothing, when there is no such set of ``n`` keys (an ancestor of a protected key
+        cannot go)."""
         ...
 
 
@@ -240,16 +252,22 @@ class AdmissionFilter(Protocol):
 
     name: str
 
-    def admit(self, key: ChunkKey) -> bool:
-        """Record one sighting of ``key``; true when the owner should store it now."""
+    def admit(self, key: ChunkKey, parent: ChunkKey | None = None) -> bool:
+        """Record one sighting of ``key`` (continuing ``parent``, as for
+        :meth:`CachePolicy.insert`); true when the owner should store it now.
+
+        The owner asks for a prompt's missing chunks in order and stores none after the
+        first refusal, whose successors would be unreachable.
+        """
         ...
 
 
 class AdmissionFilterFactory(Protocol):
     """How the core builds a filter found by name: ``cls(capacity, k=...)``.
 
-    ``capacity`` bounds the filter's table (keys it remembers); ``k`` is the number of
-    sightings after which a chunk is admitted.
+    ``capacity`` bounds the filter's table (keys it remembers; the manager makes it four
+    times the chunks of the tiers behind the filter); ``k`` is the number of sightings
+    after which a chunk is admitted, for filters that count them.
     """
 
     def __call__(self, capacity: int, *, k: int = ...) -> AdmissionFilter: ...

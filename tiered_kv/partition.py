@@ -133,12 +133,13 @@ class TierPartition:
     def contains(self, namespace: str, key: ChunkKey) -> bool:
         return key in self._share(namespace).policy
 
-    def insert(self, namespace: str, key: ChunkKey) -> None:
-        """Count ``key`` as held by ``namespace``; the tier must have a free slot."""
+    def insert(self, namespace: str, key: ChunkKey, parent: ChunkKey | None = None) -> None:
+        """Count ``key`` (continuing ``parent``, see :class:`~tiered_kv.interfaces.CachePolicy`)
+        as held by ``namespace``; the tier must have a free slot."""
         share = self._share(namespace)
         if self._used >= self.capacity:
             raise PolicyError(f"tier {self.tier} is full ({self.capacity} chunks); make room first")
-        share.policy.insert(key)
+        share.policy.insert(key, parent)
         self._used += 1
 
     def insert_many(self, namespace: str, keys: Sequence[ChunkKey]) -> None:
@@ -161,7 +162,11 @@ class TierPartition:
         self._used -= 1
 
     def make_room(
-        self, namespace: str, n: int, protected: Callable[[ChunkKey], bool]
+        self,
+        namespace: str,
+        n: int,
+        protected: Callable[[ChunkKey], bool],
+        parent_of: Callable[[ChunkKey], ChunkKey | None] = lambda key: None,
     ) -> dict[str, list[ChunkKey]] | None:
         """Free enough slots for ``namespace`` to store ``n`` more chunks.
 
@@ -174,8 +179,9 @@ class TierPartition:
         one at a time from whichever is furthest above its quota. If a policy then has
         fewer unprotected keys than planned, the shortfall is asked of the others.
         Limitation: the protocol has no dry run, so if they all fall short after some
-        victims were taken, those are re-inserted; the resident set is as before, but
-        their recency (and ghost state) in their policies is not.
+        victims were taken, those are re-inserted (with their predecessors from
+        ``parent_of``); the resident set is as before, but their recency (and ghost state)
+        in their policies is not.
         """
         requester = self._share(namespace)
         if not is_int_at_least(n, 0):
@@ -192,7 +198,7 @@ class TierPartition:
         while deficit > 0:
             plan = self._plan(deficit, requester, n, limit, taken)
             if plan is None:
-                self._restore(taken)
+                self._restore(taken, parent_of)
                 return None
             for name, count in plan.items():
                 victims = self._shares[name].policy.evict(count, protected)
@@ -229,10 +235,10 @@ class TierPartition:
                 heapq.heappush(heap, (minus_above + 1, later, order, name))
         return plan
 
-    def _restore(self, taken: dict[str, list[ChunkKey]]) -> None:
-        """Re-insert victims taken by a make_room that then failed, oldest first."""
+    def _restore(self, taken: dict[str, list[ChunkKey]], parent_of: Callable[[ChunkKey], ChunkKey | None]) -> None:
+        """Re-insert victims taken by a make_room that then failed, in the order taken."""
         for name, keys in taken.items():
             policy = self._shares[name].policy
             for key in keys:
-                policy.insert(key)
+                policy.insert(key, parent_of(key))
             self._used += len(keys)

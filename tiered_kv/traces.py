@@ -1,4 +1,4 @@
-"""Seeded request traces of the workloads inference servers see, and their replay.
+"""Request traces: seeded ones of the workloads inference servers see, and their replay.
 
 Four workloads, each a list of :class:`TraceRequest` in arrival order:
 
@@ -19,8 +19,11 @@ nothing after the first difference. Keys are 16 bytes (blake2b, cheap enough to 
 traces of a million chunks in a second or two); each workload, and each ``salt`` (a
 namespace, a tenant), has keys of its own.
 
-:func:`replay` runs a trace against one :class:`~tiered_kv.interfaces.CachePolicy` at a
-capacity, with prefix semantics, and reports the hit rate.
+:class:`PromptKeys` keys a prompt segment by segment; :mod:`tiered_kv.trace_file` uses it
+to key the Mooncake-format traces it reads (one segment per hash id), so synthetic and
+recorded traces are keyed alike. :func:`replay` runs a trace against one
+:class:`~tiered_kv.interfaces.CachePolicy` at a capacity, with prefix semantics, and
+reports the hit rate.
 """
 
 from __future__ import annotations
@@ -50,14 +53,25 @@ class TraceRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: Keys of the prompt's full chunks, in order; a trailing partial chunk has none.
     keys: tuple[ChunkKey, ...]
     prompt_tokens: int
+    #: Arrival in milliseconds from the trace's start; ``None`` in synthetic traces.
+    arrival_ms: float | None = None
+    #: Tokens the request generated, where the trace says (it does not change its keys).
+    output_tokens: int = 0
 
 
-class _Prompt:
-    """A prompt being built segment by segment, with the keys of its full chunks."""
+class PromptKeys:
+    """A prompt being built segment by segment, with the keys of its full chunks.
+
+    A segment is a run of tokens named by an integer id (below 2**64); two prompts share
+    the keys of the full chunks they cover with the same segments in the same order, and
+    nothing after the first difference.
+    """
 
     __slots__ = ("_pieces", "_room", "chunk_tokens", "keys", "tokens", "workload")
 
     def __init__(self, workload: str, root: bytes, chunk_tokens: int) -> None:
+        if chunk_tokens <= 0:
+            raise ConfigError(f"must be positive, got {chunk_tokens}", field="chunk_tokens")
         self.workload = workload
         self.chunk_tokens = chunk_tokens
         self.keys: list[ChunkKey] = [root]  # the root is dropped by ``request``
@@ -65,8 +79,14 @@ class _Prompt:
         self._pieces = bytearray()
         self._room = chunk_tokens
 
-    def copy(self) -> _Prompt:
-        other = _Prompt.__new__(_Prompt)
+    @classmethod
+    def rooted(cls, workload: str, salt: bytes, chunk_tokens: int) -> PromptKeys:
+        """An empty prompt whose keys belong to ``workload`` and ``salt`` alone."""
+        seed = b"tiered-kv/traces/v1\0" + workload.encode() + b"\0" + salt
+        return cls(workload, hashlib.blake2b(seed, digest_size=KEY_BYTES).digest(), chunk_tokens)
+
+    def copy(self) -> PromptKeys:
+        other = PromptKeys.__new__(PromptKeys)
         other.workload, other.chunk_tokens = self.workload, self.chunk_tokens
         other.tokens, other._room = self.tokens, self._room
         other.keys = self.keys.copy()
@@ -89,9 +109,15 @@ class _Prompt:
                 self._room = self.chunk_tokens
         self.tokens += length
 
-    def request(self) -> TraceRequest:
+    def request(self, *, arrival_ms: float | None = None, output_tokens: int = 0) -> TraceRequest:
         """The prompt as it stands, as a request."""
-        return TraceRequest(workload=self.workload, keys=tuple(self.keys[1:]), prompt_tokens=self.tokens)
+        return TraceRequest(
+            workload=self.workload,
+            keys=tuple(self.keys[1:]),
+            prompt_tokens=self.tokens,
+            arrival_ms=arrival_ms,
+            output_tokens=output_tokens,
+        )
 
 
 class _Builder:
@@ -102,25 +128,20 @@ class _Builder:
     """
 
     def __init__(self, workload: str, salt: bytes, chunk_tokens: int) -> None:
-        if chunk_tokens <= 0:
-            raise ConfigError(f"must be positive, got {chunk_tokens}", field="chunk_tokens")
-        seed = b"tiered-kv/traces/v1\0" + workload.encode() + b"\0" + salt
-        self._root = hashlib.blake2b(seed, digest_size=KEY_BYTES).digest()
-        self._workload = workload
+        self._empty = PromptKeys.rooted(workload, salt, chunk_tokens)
         self._ids = itertools.count()
-        self.chunk_tokens = chunk_tokens
 
     def segment(self) -> int:
         return next(self._ids)
 
-    def prompt(self) -> _Prompt:
-        return _Prompt(self._workload, self._root, self.chunk_tokens)
+    def prompt(self) -> PromptKeys:
+        return self._empty.copy()
 
 
 def _popular(
     rng: random.Random,
     build: _Builder,
-    bases: Sequence[_Prompt],
+    bases: Sequence[PromptKeys],
     *,
     requests: int,
     exponent: float,
@@ -255,7 +276,13 @@ def mix(rng: random.Random, *traces: Sequence[TraceRequest]) -> list[TraceReques
     return out
 
 
-def standard_traces(seed: int, *, scale: float = 1.0) -> dict[str, list[TraceRequest]]:
+#: The names :func:`standard_traces` returns, in order.
+STANDARD_TRACES = ("chat", "system_prompt", "rag", "scan", "scan_polluted")
+
+
+def standard_traces(
+    seed: int, *, scale: float = 1.0, chunk_tokens: int = CHUNK_TOKENS
+) -> dict[str, list[TraceRequest]]:
     """The named traces the bench replays, from one seed; ``scale`` multiplies their length.
 
     Workloads that are mixed get different salts, as different tenants would.
@@ -265,17 +292,18 @@ def standard_traces(seed: int, *, scale: float = 1.0) -> dict[str, list[TraceReq
         return max(1, round(count * scale))
 
     rng = random.Random(seed)
+    c = chunk_tokens
     traces = {
-        "chat": chat(rng, requests=n(4000)),
-        "system_prompt": shared_system_prompt(rng, requests=n(4000)),
-        "rag": rag(rng, requests=n(4000)),
-        "scan": scans(rng, requests=n(100)),
+        "chat": chat(rng, requests=n(4000), chunk_tokens=c),
+        "system_prompt": shared_system_prompt(rng, requests=n(4000), chunk_tokens=c),
+        "rag": rag(rng, requests=n(4000), chunk_tokens=c),
+        "scan": scans(rng, requests=n(100), chunk_tokens=c),
     }
     traces["scan_polluted"] = mix(
         rng,
-        chat(rng, requests=n(3000), salt=b"chat"),
-        rag(rng, requests=n(3000), salt=b"rag"),
-        scans(rng, requests=n(150), salt=b"scan"),
+        chat(rng, requests=n(3000), salt=b"chat", chunk_tokens=c),
+        rag(rng, requests=n(3000), salt=b"rag", chunk_tokens=c),
+        scans(rng, requests=n(150), salt=b"scan", chunk_tokens=c),
     )
     return traces
 
@@ -306,6 +334,8 @@ def replay(
     capacity: int,
     *,
     admission: AdmissionFilter | None = None,
+    predecessors: bool = True,
+    tail_first: bool = False,
 ) -> ReplayResult:
     """Serve ``requests`` from a cache of ``capacity`` chunks ordered by ``policy``.
 
@@ -315,6 +345,12 @@ def replay(
     first refusal, are not). Room is made with ``policy.evict`` while the request's own
     chunks are protected, as an owner pins what a request is using; a prompt longer than
     the cache stores as many of its chunks as fit.
+
+    Each stored chunk is inserted with its predecessor, as tiered-kv's manager does;
+    ``predecessors=False`` withholds them, so the policy orders chunks as unrelated keys.
+    Hits are touched and chunks stored head to tail, as the manager does; ``tail_first``
+    stores then touches each prompt's chunks from its last to its first, leaving the
+    head most recent, as vLLM's offloading managers order a request's blocks.
     """
     if capacity <= 0:
         raise ConfigError(f"must be positive, got {capacity}", field="capacity")
@@ -327,22 +363,27 @@ def replay(
         for key in keys:
             if not contains(key):
                 break
-            touch(key)
             found += 1
         hits += found
-        missing = [key for key in keys[found:] if not contains(key)]
+        if not tail_first:
+            for key in keys[:found]:
+                touch(key)
+        missing = [i for i in range(found, len(keys)) if not contains(keys[i])]
         resident_mine = len(keys) - len(missing)
+        parents = (None, *keys[:-1]) if predecessors else (None,) * len(keys)
         if admission is not None:
-            admitted = [admission.admit(key) for key in missing]  # every chunk is sighted
+            admitted = [admission.admit(keys[i], parents[i]) for i in missing]  # every chunk is sighted
             missing = missing[: admitted.index(False)] if False in admitted else missing
         missing = missing[: capacity - resident_mine]
-        if not missing:
-            continue
-        mine = set(keys)
-        excess = len(policy) + len(missing) - capacity
-        if excess > 0 and policy.evict(excess, mine.__contains__) is None:
-            raise PolicyError(f"{policy.name} could not evict {excess} unprotected keys it holds")
-        for key in missing:
-            insert(key)
-        stored += len(missing)
+        if missing:
+            mine = set(keys)
+            excess = len(policy) + len(missing) - capacity
+            if excess > 0 and policy.evict(excess, mine.__contains__) is None:
+                raise PolicyError(f"{policy.name} could not evict {excess} unprotected keys it holds")
+            for i in reversed(missing) if tail_first else missing:
+                insert(keys[i], parents[i])
+            stored += len(missing)
+        if tail_first:
+            for key in reversed(keys[:found]):
+                touch(key)
     return ReplayResult(policy=policy.name, capacity_chunks=capacity, lookups=lookups, hits=hits, stored=stored)

@@ -6,10 +6,14 @@ and into the same views, so a chunk crosses host memory once. Slots start on pag
 boundaries (``O_DIRECT`` needs aligned memory) and are addressed by index; which slot
 holds which chunk is the core's directory's business, not this driver's.
 
+The tier allocates its slab, or is built over an existing page-aligned buffer: a shared
+memory mapping that several processes cut into the same slots (an engine whose scheduler
+and model workers are separate processes, each with its own mapping of one slab).
+
 With CUDA the slab is page-locked with ``cudaHostRegister`` (exactly its size: the
 caching host allocator behind ``pin_memory=True`` rounds every allocation up to a power
-of two, which for a slab of tens of GiB wastes up to half of it). Without CUDA it is
-plain memory.
+of two, which for a slab of tens of GiB wastes up to half of it). A foreign buffer is
+registered the same way, for as long as the tier is open. Without CUDA it is plain memory.
 
 Reads and writes copy between a slot and another host buffer in a worker thread. The
 cpu tier verifies nothing: a slot's bytes are as good as the directory's state for it.
@@ -36,7 +40,7 @@ from tiered_kv.tiers._driver import (
 )
 
 from tiered_kv.driver_base import DriverBase
-from tiered_kv.errors import TierFullError
+from tiered_kv.errors import ConfigError, TierFullError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.log import get_logger
 
@@ -58,20 +62,46 @@ def _unregister(data_ptr: int) -> None:
     _cudart().cudaHostUnregister(data_ptr)
 
 
-class PinnedCpuTier(DriverBase):
-    """``num_slots`` slots of ``slot_bytes`` each in one host allocation."""
+def _check_slab(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of a foreign buffer, which must be able to hold the slots."""
+    if (
+        not isinstance(buffer, torch.Tensor)
+        or buffer.dtype != torch.uint8
+        or buffer.device.type != "cpu"
+        or buffer.dim() != 1
+        or not buffer.is_contiguous()
+    ):
+        raise ConfigError("must be a 1-D contiguous uint8 CPU tensor", field="buffer")
+    if buffer.data_ptr() % PAGE:
+        raise ConfigError(f"must start on a {PAGE}-byte page boundary", field="buffer")
+    if buffer.numel() < nbytes:
+        raise ConfigError(f"holds {buffer.numel()} bytes; the slots need {nbytes}", field="buffer")
+    return buffer[:nbytes]
 
-    def __init__(self, slot_bytes: int, num_slots: int, *, pin: bool | None = None) -> None:
+
+class PinnedCpuTier(DriverBase):
+    """``num_slots`` slots of ``slot_bytes`` each in one host allocation, its own or
+    ``buffer`` (a page-aligned ``uint8`` CPU tensor, e.g. over a shared mapping, that
+    the caller keeps alive and whose slots it may share with other processes)."""
+
+    def __init__(
+        self, slot_bytes: int, num_slots: int, *, pin: bool | None = None, buffer: torch.Tensor | None = None
+    ) -> None:
         super().__init__("cpu", slot_bytes, num_slots)
         self.slot_stride = round_up(slot_bytes)
-        try:
-            slab = aligned_empty(self.slot_stride * num_slots)
-        except (RuntimeError, MemoryError) as exc:
-            raise TierFullError(
-                f"cannot allocate {self.slot_stride * num_slots} bytes for {num_slots} slots: the capacity is more "
-                "memory than this machine can give",
-                tier=self.name,
-            ) from exc
+        nbytes = self.slot_stride * num_slots
+        if buffer is not None:
+            slab = _check_slab(buffer, nbytes)
+        else:
+            try:
+                slab = aligned_empty(nbytes)
+            except (RuntimeError, MemoryError) as exc:
+                raise TierFullError(
+                    f"cannot allocate {nbytes} bytes for {num_slots} slots: the capacity is more "
+                    "memory than this machine can give",
+                    tier=self.name,
+                ) from exc
+        self.shared = buffer is not None
         self.pinned = torch.cuda.is_available() if pin is None else pin
         if self.pinned:
             # Portable (flag 1): every device of the process may copy from the slab.
@@ -81,7 +111,14 @@ class PinnedCpuTier(DriverBase):
             self._unpin = weakref.finalize(self, _unregister, slab.data_ptr())
         self._slots = slab.view(num_slots, self.slot_stride)
         self._executor = worker_pool("cpu", COPY_WORKERS)
-        log.debug("cpu.opened", slots=num_slots, slot_bytes=slot_bytes, bytes=slab.numel(), pinned=self.pinned)
+        log.debug(
+            "cpu.opened",
+            slots=num_slots,
+            slot_bytes=slot_bytes,
+            bytes=slab.numel(),
+            pinned=self.pinned,
+            shared=self.shared,
+        )
 
     def view(self, slot: int) -> torch.Tensor:
         """Slot ``slot`` as a zero-copy, page-aligned ``uint8`` tensor of ``slot_bytes``."""
@@ -122,4 +159,7 @@ class PinnedCpuTier(DriverBase):
             self._unpin()
 
     def __repr__(self) -> str:
-        return f"<PinnedCpuTier slots={self.num_slots} slot_bytes={self.slot_bytes} pinned={self.pinned}>"
+        return (
+            f"<PinnedCpuTier slots={self.num_slots} slot_bytes={self.slot_bytes} pinned={self.pinned} "
+            f"shared={self.shared}>"
+        )

@@ -26,6 +26,7 @@ import msgspec
 
 from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.report import Progress, Table
+from tiered_kv.bench.trace_option import add_trace_arguments
 from tiered_kv.cli_errors import EXIT_FAILED, UsageError
 
 SCHEMA_VERSION = 1
@@ -109,6 +110,12 @@ def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]]
             scope[action.dest] = (action.option_strings[-1], action.default, [section.name])
     for action in model_group._group_actions:
         scope[action.dest] = (action.option_strings[-1], action.default, list(presets))
+    replaying = [s.name for s in all_sections if getattr(s, "reads_trace", False)]
+    if replaying:
+        trace_group = parser.add_argument_group(f"trace replay (sections {', '.join(replaying)})")
+        add_trace_arguments(trace_group)
+        for action in trace_group._group_actions:
+            scope[action.dest] = (action.option_strings[-1], action.default, replaying)
 
     def handler(args: argparse.Namespace) -> int:
         known = [s.name for s in all_sections]

@@ -1,10 +1,15 @@
 """Bench section ``policies``: hit rate per workload trace, and raw speed and memory.
 
-Hit rates come from :func:`tiered_kv.traces.replay` over :func:`standard_traces`, at
-capacities given as fractions of each trace's distinct chunks, for every registered
-policy and for LRU behind the ``seen_k`` admission filter.
+Hit rates come from :func:`tiered_kv.traces.replay` over :func:`standard_traces` (or the
+``--trace`` file), at capacities given as fractions of each trace's distinct chunks, for
+every registered policy alone and behind the ``seen_adaptive`` admission filter, for LRU
+behind ``seen_k``, for the peers' orderings (:mod:`tiered_kv.peers`) and for Belady's
+MIN, the offline optimum every figure is to be read against. Filters remember four keys
+per chunk of capacity, as the manager sizes them.
 
-Speed and memory are measured at ``--policy-entries`` resident keys (1M by default):
+Speed and memory are measured at ``--policy-entries`` resident keys (1M by default),
+inserted as prompts of 16 chunks, each continuing the one before (so the prefix links
+and parking are paid for):
 
 * a lookup is what a hit costs the policy, ``key in policy`` then ``policy.touch(key)``,
   over resident keys in random order;
@@ -35,13 +40,19 @@ import numpy as np
 
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.report import Progress, Table
+from tiered_kv.bench.trace_option import bench_trace
 from tiered_kv.keys import KEY_BYTES, ChunkKey
-from tiered_kv.policy_factory import make_admission_filter, make_policy
+from tiered_kv.optimum import MIN, offline_optimum
+from tiered_kv.peers import PEERS, replay_peer
+from tiered_kv.planner import Candidate
+from tiered_kv.policy_factory import make_policy
 from tiered_kv.registry import POLICIES
-from tiered_kv.traces import ReplayResult, distinct_chunks, replay, standard_traces
+from tiered_kv.traces import ReplayResult, TraceRequest, distinct_chunks, standard_traces
 
 #: Chunks evicted and inserted per step while churning for the memory figure.
 _CHURN_BATCH = 64
+#: Chunks per prompt in the speed and memory figures.
+_PROMPT_CHUNKS = 16
 
 
 def _never(key: ChunkKey) -> bool:
@@ -62,6 +73,11 @@ def _fractions(text: str) -> list[float]:
 def _make_keys(count: int, seed: int) -> list[ChunkKey]:
     data = np.random.default_rng(seed).bytes(count * KEY_BYTES)
     return [data[i : i + KEY_BYTES] for i in range(0, len(data), KEY_BYTES)]
+
+
+def _parent(keys: Sequence[ChunkKey], i: int) -> ChunkKey | None:
+    """The predecessor of ``keys[i]`` when the keys are prompts of ``_PROMPT_CHUNKS``."""
+    return keys[i - 1] if i % _PROMPT_CHUNKS else None
 
 
 def _median_rate(count: int, run: Callable[[int], None], repeats: int) -> float:
@@ -95,8 +111,8 @@ def _speeds(
     name: str, entries: int, lookups: int, cycles: int, repeats: int, keys: Sequence[ChunkKey]
 ) -> tuple[float, float]:
     policy = make_policy(name, entries)
-    for key in keys[:entries]:
-        policy.insert(key)
+    for i in range(entries):
+        policy.insert(keys[i], _parent(keys, i))
     sample = random.Random(0).choices(keys[:entries], k=lookups)
     contains, touch = policy.__contains__, policy.touch
 
@@ -108,9 +124,9 @@ def _speeds(
     evict, insert = policy.evict, policy.insert
 
     def cycle(repeat: int) -> None:
-        for key in keys[entries + repeat * cycles : entries + (repeat + 1) * cycles]:
+        for i in range(entries + repeat * cycles, entries + (repeat + 1) * cycles):
             evict(1, _never)
-            insert(key)
+            insert(keys[i], _parent(keys, i))
 
     return _median_rate(lookups, look_up, repeats), _median_rate(cycles, cycle, repeats)
 
@@ -119,15 +135,15 @@ def _bytes_per_entry(name: str, entries: int, keys: Sequence[ChunkKey]) -> float
     tracemalloc.start()
     try:
         policy = make_policy(name, entries)
-        for key in keys[:entries]:
-            policy.insert(key)
+        for i in range(entries):
+            policy.insert(keys[i], _parent(keys, i))
         for key in keys[:entries:2]:
             policy.touch(key)
         for start in range(entries, 2 * entries, _CHURN_BATCH):
-            batch = keys[start : start + _CHURN_BATCH]
-            policy.evict(len(batch), _never)
-            for key in batch:
-                policy.insert(key)
+            stop = min(start + _CHURN_BATCH, 2 * entries)
+            policy.evict(stop - start, _never)
+            for i in range(start, stop):
+                policy.insert(keys[i], _parent(keys, i))
         traced, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -135,24 +151,24 @@ def _bytes_per_entry(name: str, entries: int, keys: Sequence[ChunkKey]) -> float
 
 
 def hit_rate_rows(
-    names: Sequence[str], fractions: Sequence[float], scale: float, seed: int, admission_k: int
+    traces: dict[str, list[TraceRequest]], names: Sequence[str], fractions: Sequence[float], admission_k: int
 ) -> list[dict[str, Any]]:
-    """Replay every standard trace at each capacity fraction under each policy."""
+    """Replay every trace at each capacity fraction under each policy, peer and MIN."""
+    candidates = [
+        *(Candidate(policy=name) for name in names),
+        *(Candidate(policy=name, admission="seen_adaptive") for name in names),
+        Candidate(policy="lru", admission="seen_k", k=admission_k),
+    ]
     rows: list[dict[str, Any]] = []
-    for trace, requests in standard_traces(seed, scale=scale).items():
+    for trace, requests in traces.items():
         distinct = distinct_chunks(requests)
         for fraction in fractions:
             capacity = max(1, round(distinct * fraction))
-            results: list[tuple[str, ReplayResult]] = []
-            for name in names:
-                results.append((name, replay(requests, make_policy(name, capacity), capacity)))
-            admitted = make_admission_filter("seen_k", capacity, k=admission_k)
-            results.append(
-                (
-                    f"lru+seen_k{admission_k}",
-                    replay(requests, make_policy("lru", capacity), capacity, admission=admitted),
-                )
-            )
+            results: list[tuple[str, ReplayResult]] = [
+                (candidate.name, candidate.replay(requests, capacity)) for candidate in candidates
+            ]
+            results += [(peer.name, replay_peer(requests, peer, capacity)) for peer in PEERS]
+            results.append((MIN, offline_optimum(requests, capacity)))
             rows += [
                 {"trace": trace, "capacity_chunks": capacity, "policy": label, "hit_rate": result.hit_rate}
                 for label, result in results
@@ -172,7 +188,8 @@ def _hit_rate_table(rows: list[dict[str, Any]]) -> Table:
             [trace, f"{capacity:,}", *(f"{rates[label]:.3f}" for label in labels)]
             for (trace, capacity), rates in grid.items()
         ],
-        note="capacity in chunks; a prompt's leading resident chunks are hits, the rest misses that are stored",
+        note="capacity in chunks; a prompt's leading resident chunks are hits, the rest misses that are stored; "
+        "lru-plain, vllm-lru, vllm-arc: other engines' orderings (tiered_kv/peers.py); min: the offline optimum",
     )
 
 
@@ -196,6 +213,8 @@ def _ops_table(rows: list[dict[str, Any]]) -> Table:
 
 class PoliciesSection:
     name = "policies"
+    #: It replays ``--trace FILE`` when given one (:mod:`tiered_kv.bench.trace_option`).
+    reads_trace = True
     summary = "hit rate per trace and policy; lookups/s, insert+evict/s and bytes/entry"
 
     def add_arguments(self, parser: argparse._ArgumentGroup) -> None:
@@ -224,7 +243,9 @@ class PoliciesSection:
         entries, repeats = args.policy_entries, args.policy_repeats
         steps = len(names) + 1
         progress.step(0, steps, "replaying traces")
-        hit_rates = hit_rate_rows(names, args.policy_capacities, args.policy_trace_scale, 0, args.policy_admit_k)
+        trace = bench_trace(args, args.trace_chunk_tokens)
+        traces = {trace.name: trace.requests} if trace else standard_traces(0, scale=args.policy_trace_scale)
+        hit_rates = hit_rate_rows(traces, names, args.policy_capacities, args.policy_admit_k)
         keys = _make_keys(entries + max(args.policy_cycles * repeats, entries), seed=1)
         ops = []
         for i, name in enumerate(names, start=1):

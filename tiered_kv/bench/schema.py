@@ -54,6 +54,8 @@ class WorkloadTrace(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: Mean time to first token with the cache: measured loads + modelled recompute of misses.
     ttft_cached_ms: float
     ttft_speedup: float
+    #: Whether the TTFTs include waits behind earlier requests, from the trace's arrival times.
+    arrivals: bool = False
 
 
 class SharingRun(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

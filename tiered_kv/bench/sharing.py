@@ -1,8 +1,8 @@
 """Bench, workload section: the two-engine trace, and the hit rate sharing buys.
 
 Two engines — two ``TieredKV`` managers, each with its own cpu and nvme tiers sized as
-the section sizes one engine's — serve the chat trace between them, each request sent to
-either at random, as a load balancer that knows nothing of caches sends them: a
+the section sizes one engine's — serve the chat trace (or the ``--trace`` file's) between
+them, each request sent to either at random, as a load balancer that knows nothing of caches sends them: a
 conversation's next turn often lands on the engine that did not serve the last. The
 trace is served twice, with the same routing: with the engines alone, and with both on a
 remote tier on one valkey-server started for the run (from the dev extra's
@@ -34,21 +34,21 @@ from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfi
 from tiered_kv.namespace import Namespace
 from tiered_kv.traces import TraceRequest, distinct_chunks
 
-#: The trace the two engines share: multi-turn chat, whose turns extend earlier ones.
+#: The synthetic trace the two engines share: multi-turn chat, whose turns extend earlier ones.
 TRACE = "chat"
 ENGINES = 2
 
 
 async def two_engine_figures(
-    requests: Sequence[TraceRequest], namespace: Namespace, args: argparse.Namespace
+    trace: str, requests: Sequence[TraceRequest], namespace: Namespace, args: argparse.Namespace
 ) -> SharingFigures | None:
-    """Both runs of the two-engine trace, or ``None`` when no valkey-server is at hand."""
+    """Both runs of the two-engine trace ``trace``, or ``None`` when no valkey-server is at hand."""
     with remote_server(None) as url:
         if url is None:
             return None
         alone = await _serve(requests, namespace, args, None)
         shared = await _serve(requests, namespace, args, url)
-    return SharingFigures(trace=TRACE, runs=[alone, shared], extra_hit_rate=shared.hit_rate - alone.hit_rate)
+    return SharingFigures(trace=trace, runs=[alone, shared], extra_hit_rate=shared.hit_rate - alone.hit_rate)
 
 
 async def _serve(

@@ -9,7 +9,14 @@ temporary directory (or ``--nvme-dir``).
 
 Time to first token is modelled: recomputing ``t`` tokens costs
 ``t / --prefill-tokens-per-s``; a request served from cache pays the measured load time
-plus recomputing what missed. The gain is the ratio of the two totals.
+plus recomputing what missed. The gain is the ratio of the two means.
+
+``--trace FILE`` replays the first ``--workload-requests`` requests of a Mooncake-format
+trace instead (its blocks mapped onto ``--chunk-tokens``). Its arrival times are
+honoured in the time to first token: one modelled prefill engine serves the requests in
+arrival order, so a request also waits for those before it still being served, with and
+without the cache. The replay itself runs back to back: the modelled waits need no
+sleeping.
 
 Then the two-engine trace (:mod:`tiered_kv.bench.sharing`): what a shared remote tier buys.
 """
@@ -19,13 +26,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.models import model_from_args
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import WorkloadFigures, WorkloadTrace
+from tiered_kv.bench.trace_option import bench_trace
 from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind, KVGeometry
@@ -42,6 +52,8 @@ ENGINE_CHUNKS = 32
 
 class WorkloadSection:
     name = "workload"
+    #: It replays ``--trace FILE`` when given one (:mod:`tiered_kv.bench.trace_option`).
+    reads_trace = True
     summary = "trace replay through TieredKV: hit rate per tier, tokens from cache, TTFT gain"
     model = "llama-1b"
 
@@ -59,15 +71,24 @@ class WorkloadSection:
         parser.add_argument("--nvme-fraction", type=float, default=0.4, help="nvme tier / working set (default 0.4)")
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
-        namespace = model_from_args(args, self.model).namespace(CHUNK_TOKENS)  # the traces' chunks
-        traces = standard_traces(7, scale=args.workload_requests / 4000)
+        # The synthetic traces' chunks are CHUNK_TOKENS; a trace file's, --trace-chunk-tokens.
+        chunk_tokens = CHUNK_TOKENS if args.trace is None else args.trace_chunk_tokens
+        namespace = model_from_args(args, self.model).namespace(chunk_tokens)
         geometry = namespace.geometry
+        trace = bench_trace(args, geometry.chunk_size)
+        if trace is not None:
+            traces = {trace.name: trace.requests[: args.workload_requests]}
+            arrivals = trace.has_arrivals
+        else:
+            synthetic = standard_traces(7, scale=args.workload_requests / 4000)
+            traces = {name: synthetic[name] for name in TRACES}
+            arrivals = False
         chunk_mib = sum(geometry.chunk_bytes(g) for g in range(len(geometry.groups))) / 2**20
         results = []
-        for i, name in enumerate(TRACES):
-            progress.step(i, len(TRACES), name)
-            results.append(asyncio.run(_replay(name, traces[name], namespace, args)))
-        progress.step(len(TRACES), len(TRACES), "done")
+        for i, (name, requests) in enumerate(traces.items()):
+            progress.step(i, len(traces), name)
+            results.append(asyncio.run(_replay(name, requests, namespace, args, arrivals)))
+        progress.step(len(traces), len(traces), "done")
         rows = [
             [
                 r.trace,
@@ -98,20 +119,34 @@ class WorkloadSection:
                 "gain",
             ],
             rows=rows,
-            note="TTFT: mean per request; cached = measured load time + modelled recompute of the misses",
+            note="TTFT: mean per request; cached = measured load time + modelled recompute of the misses"
+            + ("; arrivals from the trace: waits behind earlier requests included" if arrivals else ""),
         )
         from tiered_kv.bench.sharing import TRACE, sharing_table, two_engine_figures  # it imports this module
 
-        progress.step(len(TRACES), len(TRACES), "two engines")
-        sharing = asyncio.run(two_engine_figures(traces[TRACE], namespace, args))
+        progress.step(len(traces), len(traces), "two engines")
+        shared = TRACE if TRACE in traces else next(iter(traces))  # chat, or the trace file's
+        sharing = asyncio.run(two_engine_figures(shared, traces[shared], namespace, args))
         figures = WorkloadFigures(
             model=namespace.model_id, prefill_tokens_per_s=args.prefill_tokens_per_s, traces=results, sharing=sharing
         )
         return SectionResult(payload=figures, tables=[table, sharing_table(sharing)])
 
 
+def mean_ttft_s(services: Sequence[float], arrivals: Sequence[float] | None) -> float:
+    """Mean time to first token: each request's service time, plus, when ``arrivals`` (in
+    seconds) are known, its wait for one prefill engine serving requests in that order."""
+    if arrivals is None:
+        return statistics.fmean(services)
+    free = total = 0.0
+    for arrival, service in zip(arrivals, services, strict=True):
+        free = max(arrival, free) + service
+        total += free - arrival
+    return total / len(services)
+
+
 async def _replay(
-    name: str, requests: list[TraceRequest], namespace: Namespace, args: argparse.Namespace
+    name: str, requests: list[TraceRequest], namespace: Namespace, args: argparse.Namespace, arrivals: bool
 ) -> WorkloadTrace:
     # torch and the manager load when the section runs, not whenever the CLI starts.
     import torch
@@ -142,6 +177,8 @@ async def _replay(
         )
         load_s = 0.0
         lookups = tokens_cached = prompt_tokens = 0
+        speed = args.prefill_tokens_per_s
+        cached_services: list[float] = []  # per request: its loads + recomputing what missed
         async with TieredKV(config) as kv:
             await kv.register(namespace, kv_caches)
             for i, request in enumerate(requests):
@@ -152,17 +189,20 @@ async def _replay(
                 lookups += len(request.keys)
                 prompt_tokens += request.prompt_tokens
                 hit = kv.lookup(namespace, keys)
+                loaded, loading_s = 0, 0.0
                 if hit:
                     started = time.perf_counter()
                     loaded = await kv.load(
                         namespace,
                         request_id=str(i),
                         keys=keys,
-                        block_ids=_load_tables(geometry, table, hit * CHUNK_TOKENS),
-                        num_tokens=hit * CHUNK_TOKENS,
+                        block_ids=_load_tables(geometry, table, hit * geometry.chunk_size),
+                        num_tokens=hit * geometry.chunk_size,
                     )
-                    load_s += time.perf_counter() - started
+                    loading_s = time.perf_counter() - started
+                    load_s += loading_s
                     tokens_cached += loaded
+                cached_services.append(loading_s + (request.prompt_tokens - loaded) / speed)
                 for start in range(hit, len(request.keys), STORE_BATCH):
                     stop = min(start + STORE_BATCH, len(request.keys))
                     await kv.store(
@@ -177,8 +217,10 @@ async def _replay(
                     await kv.finish_request(str(i))
             await kv.drain()
             stats = kv.statistics()
-    recompute_s = prompt_tokens / args.prefill_tokens_per_s
-    cached_s = load_s + (prompt_tokens - tokens_cached) / args.prefill_tokens_per_s
+    first_ms = (requests[0].arrival_ms or 0.0) if requests else 0.0
+    arrived = [((r.arrival_ms or 0.0) - first_ms) / 1e3 for r in requests] if arrivals else None
+    recompute_s = mean_ttft_s([r.prompt_tokens / speed for r in requests], arrived)
+    cached_s = mean_ttft_s(cached_services, arrived)
     n = len(requests)
     return WorkloadTrace(
         trace=name,
@@ -193,9 +235,10 @@ async def _replay(
         tokens_from_cache=tokens_cached,
         prompt_tokens=prompt_tokens,
         load_s=load_s,
-        ttft_recompute_ms=recompute_s * 1e3 / n,
-        ttft_cached_ms=cached_s * 1e3 / n,
+        ttft_recompute_ms=recompute_s * 1e3,
+        ttft_cached_ms=cached_s * 1e3,
         ttft_speedup=recompute_s / cached_s,
+        arrivals=arrivals,
     )
 
 

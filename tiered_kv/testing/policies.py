@@ -4,13 +4,16 @@ Two parts, both driven through the protocol only:
 
 * :class:`CachePolicyContract`, a pytest mixin of behaviour tests: misuse raises
   :class:`~tiered_kv.errors.PolicyError`, eviction returns exactly ``n`` unprotected
-  resident keys, and an eviction that cannot be satisfied changes nothing — not even
-  the order of later victims.
+  resident keys, an eviction that cannot be satisfied changes nothing — not even the
+  order of later victims — and the prefix property: a key is never evicted while a
+  resident key names it as predecessor.
 * :func:`policy_state_machine`, a hypothesis state machine that runs random sequences of
-  inserts (making room first when full, as an owner does), touches, removes and
-  evictions with random protected sets against a reference model, the set of resident
-  keys, checking after every step: size never above capacity, protected keys never
-  evicted, all-or-nothing eviction, no key lost or duplicated.
+  inserts with random predecessors (making room first when full, as an owner does),
+  touches, removes and evictions with random protected sets against a reference model,
+  the resident keys and their predecessors, checking after every step: size never above
+  capacity, protected keys never evicted, every victim's resident successors evicted
+  with it, eviction refused exactly when no such set of ``n`` keys exists and then
+  changing nothing, no key lost or duplicated.
 """
 
 from __future__ import annotations
@@ -38,6 +41,13 @@ def chunk_key(i: int) -> ChunkKey:
 def never(key: ChunkKey) -> bool:
     """The empty protected set."""
     return False
+
+
+def insert_chain(policy: CachePolicy, keys: list[ChunkKey], parent: ChunkKey | None = None) -> None:
+    """Insert ``keys`` as one prompt's chunks, each continuing the one before, head first."""
+    for key in keys:
+        policy.insert(key, parent)
+        parent = key
 
 
 def drain(policy: CachePolicy) -> list[ChunkKey]:
@@ -207,6 +217,81 @@ class CachePolicyContract:
             assert len(policy) == len(resident)
         assert set(drain(policy)) == resident
 
+    # -- the prefix property ---------------------------------------------------------
+
+    def test_a_prompts_chunks_go_tail_first(self) -> None:
+        policy = self.new()
+        chain = [chunk_key(i) for i in range(5)]
+        insert_chain(policy, chain)
+        for key in chain:
+            policy.touch(key)  # as an owner touches a hit prompt: head to tail
+        assert drain(policy) == chain[::-1]
+
+    def test_a_shared_prefix_outlives_every_prompt_that_continues_it(self) -> None:
+        policy = self.new()
+        head = [chunk_key(i) for i in range(3)]
+        insert_chain(policy, head)
+        branches = [[chunk_key(10 * b + i) for i in range(3)] for b in range(1, 4)]
+        for branch in branches:
+            insert_chain(policy, branch, head[-1])
+        order = drain(policy)
+        assert set(order[:9]) == {key for branch in branches for key in branch}
+        assert order[9:] == head[::-1]
+        for branch in branches:
+            assert [order.index(key) for key in branch] == sorted((order.index(key) for key in branch), reverse=True)
+
+    def test_a_whole_chain_goes_in_one_eviction(self) -> None:
+        policy = self.new()
+        chain = [chunk_key(i) for i in range(6)]
+        insert_chain(policy, chain)
+        victims = policy.evict(6, never)
+        assert victims is not None and sorted(victims) == sorted(chain) and len(policy) == 0
+
+    def test_a_protected_key_keeps_every_key_before_it(self) -> None:
+        policy = self.new()
+        chain = [chunk_key(i) for i in range(4)]
+        insert_chain(policy, chain)
+        tail = {chain[-1]}
+        assert policy.evict(1, tail.__contains__) is None
+        assert len(policy) == 4
+        policy.insert(chunk_key(99))
+        assert policy.evict(1, tail.__contains__) == [chunk_key(99)]
+        assert all(key in policy for key in chain)
+
+    def test_a_predecessor_that_arrives_after_its_successor_stays_behind_it(self) -> None:
+        policy = self.new()
+        policy.insert(chunk_key(2), chunk_key(1))  # its predecessor lives elsewhere, for now
+        policy.insert(chunk_key(1), chunk_key(0))
+        assert drain(policy) == [chunk_key(2), chunk_key(1)]
+
+    def test_removing_a_predecessor_leaves_its_successors_evictable(self) -> None:
+        policy = self.new()
+        chain = [chunk_key(i) for i in range(4)]
+        insert_chain(policy, chain)
+        policy.remove(chain[1])  # the owner dropped it: chunk 2 now starts a prefix here
+        order = drain(policy)
+        assert sorted(order) == sorted([chain[0], chain[2], chain[3]])
+        assert order.index(chain[3]) < order.index(chain[2])
+
+    def test_a_key_cannot_be_its_own_predecessor(self) -> None:
+        policy = self.new()
+        with pytest.raises(PolicyError):
+            policy.insert(chunk_key(1), chunk_key(1))
+        assert len(policy) == 0 and chunk_key(1) not in policy
+        policy.insert(chunk_key(1))
+        assert len(policy) == 1
+
+    def test_a_failed_eviction_among_chains_changes_nothing(self) -> None:
+        failed, untouched = self.new(), self.new()
+        for policy in (failed, untouched):
+            insert_chain(policy, [chunk_key(i) for i in range(4)])
+            insert_chain(policy, [chunk_key(10 + i) for i in range(4)], chunk_key(1))
+        tips = {chunk_key(3), chunk_key(13)}
+        # Chunks 2 and 12 may go, then 0, 1, 11, 10 are all ancestors of a protected tip.
+        assert failed.evict(3, tips.__contains__) is None
+        assert len(failed) == 8
+        assert drain(failed) == drain(untouched)
+
 
 def _raises_policy_error(call: Callable[..., Any], *args: Any) -> None:
     try:
@@ -227,55 +312,86 @@ def policy_state_machine(
     """A state machine checking ``make(capacity)`` against a model of its resident keys.
 
     Use its ``TestCase`` as a test class. Keys come from a pool of ``key_space`` so that
-    evicted keys return (exercising ghosts and hit counters).
+    evicted keys return (exercising ghosts and hit counters). Each insert names a
+    predecessor drawn from the keys before it in the pool (or none), so predecessors form
+    a forest, resident or not, as chained chunk keys do.
     """
     pool = [chunk_key(i) for i in range(key_space)]
-    keys = st.sampled_from(pool)
+    indices = st.integers(0, key_space - 1)
 
     class PolicyMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.policy = make(capacity)
-            self.model: set[ChunkKey] = set()
+            #: Resident key -> the predecessor it was inserted with.
+            self.model: dict[ChunkKey, ChunkKey | None] = {}
 
-        @rule(key=keys)
-        def insert(self, key: ChunkKey) -> None:
+        def successors(self, key: ChunkKey) -> list[ChunkKey]:
+            return [other for other, parent in self.model.items() if parent == key]
+
+        def evictable(self, protected: frozenset[ChunkKey]) -> set[ChunkKey]:
+            """Resident keys that may go: unprotected, with no protected key among their
+            resident descendants (the largest set a policy can choose from)."""
+            keep: set[ChunkKey] = set()
+            for key in self.model:
+                if key in protected:
+                    node: ChunkKey | None = key
+                    while node is not None and node in self.model and node not in keep:
+                        keep.add(node)
+                        node = self.model[node]
+            return set(self.model) - keep
+
+        def check_victims(self, victims: list[ChunkKey], n: int, candidates: set[ChunkKey]) -> None:
+            assert len(victims) == n and len(set(victims)) == n, f"victims {victims} are not {n} distinct keys"
+            assert set(victims) <= candidates, f"victims {victims} include protected, absent or pinned-ancestor keys"
+            gone = set(victims)
+            for key in victims:
+                kept = [s for s in self.successors(key) if s not in gone]
+                assert not kept, f"evicted {key.hex()} but kept its successors {kept}"
+
+        @rule(i=indices, parent=st.one_of(st.none(), st.integers(0, key_space - 1)))
+        def insert(self, i: int, parent: int | None) -> None:
+            key = pool[i]
+            before = pool[parent] if parent is not None and parent < i else None
             if key in self.model:
-                _raises_policy_error(self.policy.insert, key)
+                _raises_policy_error(self.policy.insert, key, before)
                 return
             if len(self.model) == capacity:  # an owner makes room before it stores
                 victims = self.policy.evict(1, never)
-                assert victims is not None and len(victims) == 1 and victims[0] in self.model
-                self.model.discard(victims[0])
-            self.policy.insert(key)
-            self.model.add(key)
+                assert victims is not None, f"{self.policy!r} refused to evict one of {len(self.model)} keys"
+                self.check_victims(victims, 1, set(self.model))
+                del self.model[victims[0]]
+            self.policy.insert(key, before)
+            self.model[key] = before
 
-        @rule(key=keys)
-        def touch(self, key: ChunkKey) -> None:
+        @rule(i=indices)
+        def touch(self, i: int) -> None:
+            key = pool[i]
             if key in self.model:
                 self.policy.touch(key)
             else:
                 _raises_policy_error(self.policy.touch, key)
 
-        @rule(key=keys)
-        def remove(self, key: ChunkKey) -> None:
+        @rule(i=indices)
+        def remove(self, i: int) -> None:
+            key = pool[i]
             if key in self.model:
                 self.policy.remove(key)
-                self.model.discard(key)
+                del self.model[key]
             else:
                 _raises_policy_error(self.policy.remove, key)
 
-        @rule(n=st.integers(0, capacity + 2), protected=st.frozensets(keys))
+        @rule(n=st.integers(0, capacity + 2), protected=st.frozensets(st.sampled_from(pool)))
         def evict(self, n: int, protected: frozenset[ChunkKey]) -> None:
-            candidates = self.model - protected
+            candidates = self.evictable(protected)
             victims = self.policy.evict(n, protected.__contains__)
             if len(candidates) < n:
-                assert victims is None, f"evicted {victims} though only {len(candidates)} keys were unprotected"
+                assert victims is None, f"evicted {victims} though only {len(candidates)} keys could go"
                 return  # all-or-nothing: the invariant checks that nothing changed
-            assert victims is not None, f"refused {n} victims among {len(candidates)} unprotected keys"
-            assert len(victims) == n and len(set(victims)) == n, f"victims {victims} are not {n} distinct keys"
-            assert set(victims) <= candidates, f"victims {victims} include protected or absent keys"
-            self.model -= set(victims)
+            assert victims is not None, f"refused {n} victims among {len(candidates)} keys that could go"
+            self.check_victims(victims, n, candidates)
+            for key in victims:
+                del self.model[key]
 
         @rule(n=st.integers(-3, -1))
         def evict_negative(self, n: int) -> None:
@@ -284,7 +400,7 @@ def policy_state_machine(
         @invariant()
         def holds_exactly_the_model(self) -> None:
             assert len(self.policy) == len(self.model) <= capacity
-            assert {key for key in pool if key in self.policy} == self.model
+            assert {key for key in pool if key in self.policy} == set(self.model)
 
     PolicyMachine.TestCase.settings = settings(max_examples=max_examples, stateful_step_count=steps, deadline=None)
     return PolicyMachine

@@ -1,0 +1,216 @@
+"""Prefix links, so that every policy evicts the leaves of the prefix tree first.
+
+A chunk is useful only while every chunk before it in its prompt is resident: a policy
+that drops a prefix's head keeps its tail resident but unreachable. Each policy here
+therefore takes a key as a victim only once no resident key names it as predecessor,
+and otherwise follows its own order — descendants first, leaves before their ancestors,
+as a radix-tree cache evicts.
+
+:class:`PrefixLinks` holds the edges: each key's predecessor and how many resident keys
+continue each key (a count kept for absent predecessors too, so a predecessor that
+arrives after its successors finds them). A key that reaches the old end of its
+policy's order while it still has successors is *parked*: taken out of the order, so
+that later evictions do not walk past it again, and put back at the old end (the next
+to go) when its last successor leaves. :class:`Victims` and :class:`LeafWalk` choose an
+eviction's victims from a policy's order without changing anything, so a policy commits
+them only when all ``n`` were found.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+
+from tiered_kv.policies._checks import missing
+
+from tiered_kv.errors import PolicyError
+from tiered_kv.keys import ChunkKey
+
+#: ``release(key, place, parent)``: put a parked key back at the old end of list ``place``.
+Release = Callable[[ChunkKey, int, "ChunkKey | None"], None]
+
+
+class PrefixLinks:
+    """Resident successors per key, and the parked keys of one policy.
+
+    The policy keeps each key's predecessor itself (usually as the value of the ``dict``
+    that orders its keys) and names it here on :meth:`link` and :meth:`unlink`; a parked
+    key's predecessor is kept here while it is out of the policy's lists. ``release`` is
+    called when a parked key loses its last successor, with the list (``place``, the
+    policy's own numbering) it was parked from.
+    """
+
+    __slots__ = ("_parked", "_parked_at", "_release", "_successors", "has_successors", "is_parked")
+
+    def __init__(self, release: Release, places: int = 1) -> None:
+        self._successors: dict[ChunkKey, int] = {}
+        self._parked: dict[ChunkKey, tuple[int, ChunkKey | None]] = {}
+        self._parked_at = [0] * places
+        self._release = release
+        #: Whether a resident key names ``key`` as predecessor (one ``dict`` lookup).
+        self.has_successors: Callable[[object], bool] = self._successors.__contains__
+        self.is_parked: Callable[[object], bool] = self._parked.__contains__
+
+    def parked(self, place: int | None = None) -> int:
+        """Parked keys (from list ``place``, or from all)."""
+        return len(self._parked) if place is None else self._parked_at[place]
+
+    def link(self, key: ChunkKey, parent: ChunkKey | None) -> None:
+        """Count resident ``key`` as a successor of ``parent``; call before the key counts
+        as resident, so that a bad parent changes nothing."""
+        if parent is None:
+            return
+        if parent == key:
+            raise PolicyError(f"key {key.hex()} cannot be its own predecessor")
+        successors = self._successors
+        successors[parent] = successors.get(parent, 0) + 1
+
+    def unlink(self, key: ChunkKey, parent: ChunkKey | None) -> None:
+        """``key``, a successor of ``parent``, is no longer resident (nor parked); its
+        predecessor, if parked and now without successors, is released."""
+        if parent is None:
+            return
+        left = self._successors[parent] - 1
+        if left:
+            self._successors[parent] = left
+            return
+        del self._successors[parent]
+        parked = self.unpark(parent)
+        if parked is not None:
+            self._release(parent, *parked)
+
+    def park(self, key: ChunkKey, place: int, parent: ChunkKey | None) -> None:
+        self._parked[key] = (place, parent)
+        self._parked_at[place] += 1
+
+    def unpark(self, key: ChunkKey) -> tuple[int, ChunkKey | None] | None:
+        """Stop counting ``key`` as parked: the list it was parked from and its
+        predecessor, if it was."""
+        parked = self._parked.pop(key, None)
+        if parked is not None:
+            self._parked_at[parked[0]] -= 1
+        return parked
+
+    def take_parked(self, key: ChunkKey) -> ChunkKey | None:
+        """Unpark ``key``, which the policy found in none of its lists: its predecessor;
+        :class:`PolicyError` if it is not parked either (not resident)."""
+        parked = self.unpark(key)
+        if parked is None:
+            raise missing(key)
+        return parked[1]
+
+    def place_of(self, key: ChunkKey) -> int | None:
+        """The list a parked key came from; ``None`` if it is not parked."""
+        parked = self._parked.get(key)
+        return None if parked is None else parked[0]
+
+    def parked_parent(self, key: ChunkKey) -> ChunkKey | None:
+        return self._parked[key][1]
+
+    def successors(self, key: ChunkKey) -> int:
+        """Resident keys that name ``key`` as predecessor."""
+        return self._successors.get(key, 0)
+
+    def first_leaf(
+        self, keys: Iterable[ChunkKey], protected: Callable[[ChunkKey], bool]
+    ) -> tuple[ChunkKey | None, list[ChunkKey]]:
+        """The first of ``keys`` that may go on its own, and the keys passed over for
+        their successors (to be parked): the one-victim eviction, without the
+        bookkeeping of :class:`Victims`."""
+        successors = self._successors
+        passed: list[ChunkKey] = []
+        for key in keys:
+            if key in successors:
+                if not protected(key):
+                    passed.append(key)
+            elif not protected(key):
+                return key, passed
+        return None, passed
+
+
+class Victims:
+    """The victims one eviction call has chosen so far, and the keys they set free."""
+
+    __slots__ = ("_parent_of", "_taken", "keys", "links", "protected")
+
+    def __init__(
+        self,
+        links: PrefixLinks,
+        parent_of: Callable[[ChunkKey], ChunkKey | None],
+        protected: Callable[[ChunkKey], bool],
+    ) -> None:
+        self.links = links
+        self._parent_of = parent_of
+        self.protected = protected
+        self.keys: list[ChunkKey] = []
+        self._taken: dict[ChunkKey, int] = {}  # successors of a key among the victims
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def is_free(self, key: ChunkKey) -> bool:
+        """Whether every resident successor of ``key`` is already a victim."""
+        return self.links.successors(key) == self._taken.get(key, 0)
+
+    def take(self, key: ChunkKey) -> ChunkKey | None:
+        """Add victim ``key``; its predecessor if that has just lost its last successor."""
+        self.keys.append(key)
+        parent = self._parent_of(key)
+        if parent is None:
+            return None
+        taken = self._taken.get(parent, 0) + 1
+        self._taken[parent] = taken
+        return parent if taken == self.links.successors(parent) else None
+
+
+class LeafWalk:
+    """List ``place`` of a policy, oldest first, yielding the keys that may be evicted
+    now: unprotected, with no resident successor left.
+
+    A key passed over because it still has successors is remembered (to be parked if the
+    eviction succeeds); when the victims set it free, or free a key parked from this
+    list, that key comes next — before any key not yet reached, which is newer — oldest
+    first. The list must not change while the walk runs.
+    """
+
+    __slots__ = ("_keys", "_parked_rank", "_passed", "_place", "_ready", "_seen", "_victims")
+
+    def __init__(self, keys: Iterable[ChunkKey], victims: Victims, place: int = 0) -> None:
+        self._keys = iter(keys)
+        self._victims = victims
+        self._place = place
+        self._passed: dict[ChunkKey, int] = {}  # key -> its rank in the list
+        self._ready: list[tuple[int, ChunkKey]] = []
+        self._seen = 0
+        self._parked_rank = 0  # parked keys rank before every key of the list
+
+    def next(self) -> ChunkKey | None:
+        """The next key that may go, or ``None`` when the list has none left."""
+        if self._ready:
+            return heapq.heappop(self._ready)[1]
+        protected, is_free, passed = self._victims.protected, self._victims.is_free, self._passed
+        for key in self._keys:
+            self._seen += 1
+            if protected(key):
+                continue
+            if is_free(key):
+                return key
+            passed[key] = self._seen
+        return None
+
+    def freed(self, key: ChunkKey) -> bool:
+        """``key`` has lost its last successor to the victims; true if it belongs to this
+        walk (passed over, or parked from this list) and may go."""
+        rank = self._passed.pop(key, None)
+        if rank is None:
+            links = self._victims.links
+            if links.place_of(key) != self._place or self._victims.protected(key):
+                return False
+            self._parked_rank -= 1
+            rank = self._parked_rank
+        heapq.heappush(self._ready, (rank, key))
+        return True
+
+    def passed(self) -> list[ChunkKey]:
+        """The keys passed over that still have successors: to be parked."""
+        return list(self._passed)

@@ -1,0 +1,64 @@
+"""``tiered-kv plan``: on a synthetic trace of the bench, on its exported file, on bad files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tiered_kv.cli import main
+
+SMALL = ["--scale", "0.02", "--points", "4", "--smallest", "16", "--policies", "lru,s3fifo"]
+
+
+def test_plan_on_a_synthetic_trace_prints_curves_sizes_and_writes_json_plot_and_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, png, exported = tmp_path / "plan.json", tmp_path / "plan.png", tmp_path / "rag.jsonl"
+    args = ["plan", "--synthetic", "rag", *SMALL, "--json", str(out), "--plot", str(png), "--export", str(exported)]
+    assert main(args) == 0
+    stdout = capsys.readouterr().out
+    assert "plan: rag" in stdout and "best tiered-kv policy against the best peer and MIN" in stdout
+    assert ("nvme:" in stdout and "GiB" in stdout) or "MiB" in stdout
+    plan = json.loads(out.read_text())
+    names = [curve["name"] for curve in plan["curves"]]
+    assert names[-4:] == ["lru-plain", "vllm-lru", "vllm-arc", "min"]
+    assert {"lru", "lru+seen_k", "lru+seen_adaptive", "s3fifo+seen_k"} <= set(names)
+    assert plan["capacities"][-1] == plan["working_set_chunks"] and len(plan["capacities"]) == 4
+    assert {sizing["tier"] for sizing in plan["sizings"]} == {"cpu", "nvme"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The exported trace, read as a file, plans the same.
+    again = tmp_path / "again.json"
+    file_args = ["plan", "--trace", str(exported), "--trace-block-tokens", "256", *SMALL[2:], "--json", str(again)]
+    assert main(file_args) == 0
+    replanned = json.loads(again.read_text())
+    assert replanned["curves"] == plan["curves"] and replanned["trace"] == "rag.jsonl"
+
+
+def test_plan_reports_bad_lines_with_their_numbers_and_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    good = [f'{{"timestamp": {i}, "input_length": 1024, "hash_ids": [0, {i}]}}' for i in range(1, 9)]
+    trace.write_text("\n".join([*good[:4], "{oops", *good[4:]]) + "\n")
+    assert main(["plan", "--trace", str(trace), "--chunk-tokens", "512", "--capacities", "1,4"]) == 0
+    captured = capsys.readouterr()
+    assert "t.jsonl: skipped 1 bad lines (line 5: " in captured.err
+    assert "8 requests" in captured.out
+
+
+def test_plan_on_a_file_that_is_not_a_trace_is_one_line_and_status_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "notes.txt"
+    trace.write_text("hello\nworld\n")
+    assert main(["plan", "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tiered-kv plan: notes.txt is not a Mooncake-format trace") and "\n" not in err
+
+
+@pytest.mark.parametrize("bad", [["--capacities", "0,5"], ["--target-hit-rate", "1.5"], ["--synthetic", "nope"]])
+def test_plan_rejects_bad_options(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", *(["--synthetic", "chat"] if "--synthetic" not in bad else []), *bad])

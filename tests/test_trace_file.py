@@ -1,0 +1,169 @@
+"""Mooncake-format traces: the reader against hand-written files, and the writer's round trip."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from tiered_kv.policies import ARC, LRU, S3FIFO, SeenK
+
+from tiered_kv.errors import TraceFormatError
+from tiered_kv.trace_file import HashIds, check_trace_file, parse_lines, read_trace, trace_lines, write_trace
+from tiered_kv.traces import distinct_chunks, replay, standard_traces
+
+
+def lines(*rows: str) -> list[bytes]:
+    return [row.encode() + b"\n" for row in rows]
+
+
+def test_requests_sharing_leading_hash_ids_share_those_chunks_and_nothing_after() -> None:
+    trace = parse_lines(
+        lines(
+            '{"timestamp": 0, "input_length": 2048, "output_length": 10, "hash_ids": [0, 1, 2, 3]}',
+            '{"timestamp": 5, "input_length": 1600, "output_length": 3, "hash_ids": [0, 1, 7, 8]}',
+            '{"timestamp": 9, "input_length": 1024, "hash_ids": [9, 1]}',
+        ),
+        name="t",
+        block_tokens=512,
+        chunk_tokens=512,
+    )
+    first, second, third = trace.requests
+    assert [len(r.keys) for r in trace.requests] == [4, 3, 2]  # 1600 tokens: 3 full chunks
+    assert first.keys[:2] == second.keys[:2] and first.keys[2] != second.keys[2]
+    assert third.keys[1] != first.keys[1]  # the same hash id after another prefix is another chunk
+    assert (second.prompt_tokens, second.output_tokens, second.arrival_ms) == (1600, 3, 5)
+    assert third.output_tokens == 0
+    assert trace.bad_lines == [] and trace.out_of_order == 0 and trace.has_arrivals
+
+
+def test_blocks_are_mapped_onto_the_models_chunk_size() -> None:
+    rows = lines(
+        '{"timestamp": 0, "input_length": 2000, "hash_ids": [0, 1, 2, 3]}',
+        '{"timestamp": 1, "input_length": 1100, "hash_ids": [0, 1, 5]}',
+    )
+    small = parse_lines(rows, name="t", block_tokens=512, chunk_tokens=256)
+    assert [len(r.keys) for r in small.requests] == [7, 4]  # 2000 // 256, 1100 // 256
+    assert small.requests[0].keys[:4] == small.requests[1].keys[:4]  # both halves of blocks 0 and 1
+    large = parse_lines(rows, name="t", block_tokens=512, chunk_tokens=1024)
+    assert [len(r.keys) for r in large.requests] == [1, 1]
+    assert large.requests[0].keys == large.requests[1].keys  # blocks 0 and 1 make one chunk
+
+
+def test_requests_come_in_arrival_order_and_out_of_order_lines_are_counted() -> None:
+    trace = parse_lines(
+        lines(
+            '{"timestamp": 10, "input_length": 512, "hash_ids": [1]}',
+            '{"timestamp": 30, "input_length": 512, "hash_ids": [3]}',
+            '{"timestamp": 20, "input_length": 512, "hash_ids": [2]}',
+            '{"timestamp": 20, "input_length": 512, "hash_ids": [4]}',
+        ),
+        name="t",
+        chunk_tokens=512,
+    )
+    assert [r.arrival_ms for r in trace.requests] == [10, 20, 20, 30]
+    solo = [
+        parse_lines(lines(f'{{"timestamp": 0, "input_length": 512, "hash_ids": [{i}]}}'), name="t", chunk_tokens=512)
+        for i in (2, 4)
+    ]
+    assert [r.keys for r in trace.requests[1:3]] == [solo[0].requests[0].keys, solo[1].requests[0].keys]  # stable
+    assert trace.out_of_order == 2
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ("not json", "malformed"),
+        ('{"timestamp": 0, "input_length": 512}', "hash_ids"),
+        ('{"timestamp": -1, "input_length": 512, "hash_ids": [0]}', "timestamp"),
+        ('{"timestamp": 0, "input_length": 0, "hash_ids": []}', "input_length"),
+        ('{"timestamp": 0, "input_length": 512, "hash_ids": [-3]}', "hash_ids"),
+        ('{"timestamp": 0, "input_length": 512, "hash_ids": [1.5]}', "hash_ids"),
+        ('{"timestamp": 0, "input_length": 2000, "hash_ids": [0, 1]}', "needs 4 blocks of 512"),
+        ('{"timestamp": 1e999, "input_length": 512, "hash_ids": [0]}', "timestamp"),
+        ("[1, 2, 3]", "object"),
+    ],
+)
+def test_a_bad_line_is_skipped_and_reported_with_its_number(row: str, reason: str) -> None:
+    good = '{"timestamp": 0, "input_length": 512, "hash_ids": [0]}'
+    trace = parse_lines(lines(good, "", row, good), name="t", chunk_tokens=512)
+    assert len(trace.requests) == 2
+    (bad,) = trace.bad_lines
+    assert bad.line == 3 and reason in bad.reason
+    assert trace.describe_bad_lines().startswith("t: skipped 1 bad lines (line 3: ")
+
+
+def test_many_bad_lines_are_quoted_a_few_and_counted() -> None:
+    rows = lines('{"timestamp": 0, "input_length": 512, "hash_ids": [0]}', *["x"] * 9)
+    described = parse_lines(rows, name="t", chunk_tokens=512).describe_bad_lines()
+    assert described.count("line ") == 5 and described.endswith("; 4 more)")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"\n\n", b"a,b,c\n1,2,3\n", b"\x89PNG\r\n\x1a\n\x00\x00", b'{"prompt": "hello"}\n'],
+)
+def test_a_file_that_is_not_the_format_is_a_one_line_error(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(TraceFormatError) as error:
+        read_trace(path, chunk_tokens=512)
+    message = str(error.value)
+    assert "\n" not in message and "trace.jsonl is not a Mooncake-format trace" in message
+
+
+def test_the_wrong_block_size_says_so() -> None:
+    rows = lines('{"timestamp": 0, "input_length": 6758, "hash_ids": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]}')
+    assert len(parse_lines(rows, name="t", chunk_tokens=256).requests) == 1
+    with pytest.raises(TraceFormatError, match=r"blocks of 256 tokens.*needs 27 blocks of 256"):
+        parse_lines(rows, name="t", block_tokens=256, chunk_tokens=256)
+
+
+def test_a_missing_file_is_a_trace_error(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="cannot read trace"):
+        read_trace(tmp_path / "absent.jsonl", chunk_tokens=512)
+
+
+def test_hash_ids_name_distinct_chunks_and_give_a_partial_block_a_fresh_id() -> None:
+    ids = HashIds()
+    a, b, c = (bytes([i]) * 16 for i in range(3))
+    assert ids.of([a, b], 600, 256) == [0, 1, 2]
+    assert ids.of([a, c], 512, 256) == [0, 3]
+    bounded = HashIds(limit=2)
+    bounded.of([a, b], 512, 256)
+    bounded.of([c], 256, 256)
+    assert len(bounded) == 2 and bounded.of([a], 256, 256) == [3]  # forgotten: a new id
+
+
+@pytest.mark.parametrize("name", ["chat", "rag", "scan_polluted"])
+def test_an_exported_synthetic_trace_replays_to_the_same_hit_rates(name: str) -> None:
+    requests = standard_traces(3, scale=0.05)[name]
+    out = io.BytesIO()
+    assert write_trace(requests, out, block_tokens=256) == len(requests)
+    back = parse_lines(io.BytesIO(out.getvalue()), name=name, block_tokens=256, chunk_tokens=256)
+    assert not back.bad_lines and not back.has_arrivals
+    assert [len(r.keys) for r in back.requests] == [len(r.keys) for r in requests]
+    assert distinct_chunks(back.requests) == distinct_chunks(requests)
+    capacity = distinct_chunks(requests) // 10
+    for make in (LRU, ARC, S3FIFO):
+        original = replay(requests, make(capacity), capacity, admission=SeenK(capacity))
+        read_back = replay(back.requests, make(capacity), capacity, admission=SeenK(capacity))
+        assert (read_back.hits, read_back.stored) == (original.hits, original.stored)
+
+
+def test_written_lines_are_the_format() -> None:
+    requests = standard_traces(0, scale=0.01)["chat"][:2]
+    first = next(trace_lines(requests, block_tokens=256))
+    assert first.startswith(b'{"timestamp":0,"input_length":') and b'"hash_ids":[' in first
+
+
+def test_a_quick_check_accepts_a_trace_and_refuses_what_is_not_one(tmp_path: Path) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_text("oops\n" + '{"timestamp": 0, "input_length": 512, "hash_ids": [0]}\n')
+    check_trace_file(good)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("oops\n" * 200 + '{"timestamp": 0, "input_length": 512, "hash_ids": [0]}\n')
+    with pytest.raises(TraceFormatError, match=r"bad\.jsonl is not a Mooncake-format trace.*line 1: "):
+        check_trace_file(bad)
+    with pytest.raises(TraceFormatError, match="cannot read trace"):
+        check_trace_file(tmp_path / "absent.jsonl")
