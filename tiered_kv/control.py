@@ -655,15 +655,18 @@ class ControlPlane:
         return []
 
     # -- remote → cpu ------------------------------------------------------------------
-    def plan_remote_promotion(self, pool: Pool, key: ChunkKey, namespace: str) -> RemotePromotion | bool:
+    def plan_remote_promotion(
+        self, pool: Pool, key: ChunkKey, namespace: str, parent: ChunkKey | None = None
+    ) -> RemotePromotion | bool:
         """Reserve a cpu slot for ``namespace``'s chunk ``key``, which the remote tier
-        likely holds. ``True`` when cpu holds it ready already, ``False`` when it cannot
-        come in now (not likely remote, being stored or promoted, or no cpu room)."""
+        likely holds (``parent``: its predecessor in the prompt, when the load knows it).
+        ``True`` when cpu holds it ready already, ``False`` when it cannot come in now
+        (not likely remote, being stored or promoted, or no cpu room)."""
         if pool.cpu.ready_for(key, namespace):
             return True
         if pool.hint is None or not pool.hint.likely(key, namespace) or key in pool.cpu:
             return False
-        reservation = pool.cpu.reserve([key], self.owner(pool, namespace), namespace)
+        reservation = pool.cpu.reserve([key], self.owner(pool, namespace), namespace, parents={key: parent})
         if reservation is None:
             log.info("tier.full", tier="cpu", namespace=pool.fingerprint, reason="promotion")
             return False

@@ -582,7 +582,7 @@ class TieredKV:
         namespace = plan.namespace
         hint = pool.hint
         steps: list[tuple[ChunkKey, asyncio.Task[str | None] | None]] = []
-        for key in plan.keys:
+        for i, key in enumerate(plan.keys):
             if pool.cpu.ready_for(key, namespace):
                 self._control.pin(pool, key)
                 pinned.append((pool, key))
@@ -593,9 +593,11 @@ class TieredKV:
                 # Per namespace: a tenant's load never waits on, or is served by, a
                 # promotion of another tenant's chunk under the same key.
                 handle = (pool.fingerprint, pool.group, key, namespace)
+                # The chunk before it in the plan is its predecessor (a window's first: not known).
+                parent = plan.keys[i - 1] if i else None
                 task = self._scheduler.shared(
                     handle,
-                    functools.partial(self._promote, pool, key, plan.tenant),
+                    functools.partial(self._promote, pool, key, plan.tenant, parent),
                     name=f"promote-{key.hex()[:8]}",
                 )
                 self._promotion_claims[handle] += 1  # the promotion pins the chunk for each claim
@@ -660,7 +662,7 @@ class TieredKV:
                 return None
             raise
 
-    async def _promote(self, pool: Pool, key: ChunkKey, tenant: Namespace) -> str | None:
+    async def _promote(self, pool: Pool, key: ChunkKey, tenant: Namespace, parent: ChunkKey | None) -> str | None:
         """Bring one chunk of ``tenant`` into cpu, from nvme or else the remote tier,
         shared by every load that claimed it. The tier it came from (``cpu`` when it was
         there already) once it is READY in cpu, pinned once for each claim, so that no
@@ -671,7 +673,7 @@ class TieredKV:
         try:
             plan: Promotion | RemotePromotion | bool = self._control.plan_promotion(pool, key, namespace)
             if plan is False and pool.hint is not None:  # gone from nvme, or never there
-                plan = self._control.plan_remote_promotion(pool, key, namespace)
+                plan = self._control.plan_remote_promotion(pool, key, namespace, parent)
             if plan is True:
                 source = "cpu"
             elif isinstance(plan, Promotion):
