@@ -203,6 +203,26 @@ async def test_concurrent_loads_of_a_remote_chunk_share_one_read(valkey: ValkeyS
         assert all(tier.pinned_chunks == 0 for tier in b.kv.statistics().tiers)
 
 
+async def test_chunks_promoted_from_the_remote_tier_keep_their_prompt_order_for_eviction(
+    valkey: ValkeyServer,
+) -> None:
+    """Prefix-aware eviction: a promoted chunk is reserved with its predecessor, so room is
+    made by evicting the prompt's last chunk, not its first (which would strand the rest)."""
+    remote = remote_config(valkey)
+    keys = prompt(3, start=60)
+    async with contextlib.AsyncExitStack() as stack:
+        a = await open_engine(stack, kv_config(remote), seed=63)
+        b = await open_engine(stack, kv_config(remote, cpu_chunks=3), seed=64)
+        await a.store(keys)
+        await a.kv.drain()
+        assert await b.discover(keys) == 3
+        assert await b.load(keys, 3, first_chunk=8) == 3
+        b.kv.drain_events()
+        await b.store(prompt(1, start=70), first_chunk=4)  # one slot is needed
+        removed = [key for kind, key in events(b.kv, "cpu") if kind is KVEventKind.REMOVED]
+        assert removed == [keys[2]], "the prompt's head was evicted before its tail"
+
+
 async def test_a_lookup_of_keys_that_are_not_chunk_keys_probes_nothing_and_the_manager_keeps_serving(
     valkey: ValkeyServer,
 ) -> None:
