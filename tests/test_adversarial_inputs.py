@@ -1,0 +1,65 @@
+"""Adversarial: malformed arguments to public calls that escape as native exceptions.
+
+docs/design.md ("Errors at the public API"): a call's bad input is a typed error under
+``TieredKVError`` (``register``: ``ConfigError`` for tensors that do not match; ``flush``:
+``BlockTableError`` for ids that are not integers), never a native one. These are not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_namespace
+from test_manager_data import engine_cache
+
+from tiered_kv import BlockTableError, ConfigError, CpuTierConfig, TieredKV, TieredKVConfig, TieredKVError, chunk_keys
+
+NS = make_namespace()
+
+
+def manager() -> TieredKV:
+    return TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 8)))
+
+
+@pytest.mark.parametrize(
+    "kv_caches",
+    [5, None, [5], [None], [[None]], [[5]], [[torch.zeros(0)]], [torch.zeros(0)]],
+    ids=["int", "none", "list-of-int", "list-of-none", "tensor-none", "tensor-int", "empty-tensor", "flat-empty"],
+)
+async def test_register_refuses_what_is_not_tensors_with_a_config_error(kv_caches: Any) -> None:
+    async with manager() as kv:
+        with pytest.raises(ConfigError):
+            await kv.register(NS, kv_caches)
+        await kv.register(NS, [engine_cache(64)])  # and the manager is still usable
+
+
+@pytest.mark.parametrize("blocks", [[1, "x"], [2, None], [3, 1.5]], ids=["str", "none", "float"])
+async def test_flush_of_a_one_shot_iterable_with_a_bad_id_is_a_block_table_error(blocks: list[Any]) -> None:
+    async with manager() as kv:
+        await kv.register(NS, [engine_cache(64)])
+        with pytest.raises(BlockTableError):
+            kv.flush_nowait(iter(blocks))  # raises StopIteration today
+        with pytest.raises(BlockTableError):
+            await kv.flush(iter(blocks))  # RuntimeError("coroutine raised StopIteration") today
+
+
+async def test_flush_refuses_a_bool_block_id_from_an_iterator_as_from_a_list() -> None:
+    async with manager() as kv:
+        await kv.register(NS, [engine_cache(64)])
+        with pytest.raises(BlockTableError):
+            kv.flush_nowait([True])
+        with pytest.raises(BlockTableError):
+            kv.flush_nowait(iter([True]))  # accepted as block 1 today
+
+
+@pytest.mark.parametrize("max_events", ["3", 1.5])
+async def test_drain_events_with_a_count_that_is_not_an_integer_is_a_typed_error(max_events: Any) -> None:
+    async with manager() as kv:
+        await kv.register(NS, [engine_cache(64)])
+        await kv.store(NS, request_id="s", keys=[chunk_keys(NS, list(range(32)))], block_ids=[list(range(8))])
+        await kv.drain()
+        with pytest.raises(TieredKVError):
+            kv.drain_events(max_events)
+        assert len(kv.drain_events()) == 2  # nothing was lost
