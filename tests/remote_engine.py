@@ -1,9 +1,11 @@
-"""One engine process of the sharing tests: stores chunks in a remote tier, or loads them
-and reports which arrived and whether each was bit-exact (JSON on stdout).
+"""One engine process of the sharing tests: a ``TieredKV`` with a cpu tier and the remote
+tier that stores a prompt's chunks, or looks them up and loads them and reports which
+arrived and whether each was bit-exact (JSON on stdout).
 
     python tests/remote_engine.py store|load <url or host:port,...> <prefix> <variant>[,<variant>...]
 
-A load reports per variant (each its own namespace, its own driver).
+A load reports per variant (each its own namespace, its own manager): it looks up, lets
+the probe that queued answer, looks up again and loads what was found.
 """
 
 from __future__ import annotations
@@ -15,14 +17,18 @@ import sys
 import msgspec
 import torch
 from conftest import make_namespace
-from tiered_kv.tiers.remote import RemoteTier
+from test_manager_data import engine_cache
 
+from tiered_kv import CpuTierConfig, TieredKV, TieredKVConfig, chunk_keys
 from tiered_kv.config import RemoteTierConfig
-from tiered_kv.interfaces import TransferOp
 from tiered_kv.namespace import Namespace
-from tiered_kv.testing.tiers import chunk_data
+from tiered_kv.stats import KVEventKind
 
-CHUNKS, CHUNK_BYTES = 8, 64 << 10
+CHUNKS = 8
+PROMPT = list(range(7000, 7000 + CHUNKS * 16))
+NUM_BLOCKS = 2 * CHUNKS * 4
+#: The engine that stores: its KV cache (seeded) holds the prompt in blocks 0 … 31.
+STORED_SEED = 1
 
 
 def namespace(variant: str) -> Namespace:
@@ -40,26 +46,49 @@ def namespace(variant: str) -> Namespace:
 
 async def main(action: str, where: str, prefix: str, variants: str) -> dict[str, object]:
     if where.startswith("redis://"):
-        config = RemoteTierConfig(url=where, prefix=prefix)
+        remote = RemoteTierConfig(url=where, prefix=prefix, timeout_s=5.0)
     else:
-        config = RemoteTierConfig(cluster_nodes=where.split(","), prefix=prefix)
+        remote = RemoteTierConfig(cluster_nodes=where.split(","), prefix=prefix, timeout_s=5.0)
+    ns = namespace("same")
+    config = TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=2 * CHUNKS * ns.geometry.chunk_bytes()), remote=remote)
     return {variant: await run(action, config, variant) for variant in variants.split(",")}
 
 
-async def run(action: str, config: RemoteTierConfig, variant: str) -> dict[str, object]:
-    tier = await RemoteTier.open(config, namespace(variant), slot_bytes=CHUNK_BYTES, num_slots=CHUNKS)
-    try:
-        want = [chunk_data(CHUNK_BYTES, "bfloat16", seed=i) for i in range(CHUNKS)]
-        keys = [i.to_bytes(16, "little") for i in range(CHUNKS)]
+async def run(action: str, config: TieredKVConfig, variant: str) -> dict[str, object]:
+    ns = namespace(variant)
+    keys = chunk_keys(ns, PROMPT)
+    per_chunk = ns.geometry.blocks_per_chunk
+    async with TieredKV(config) as kv:
         if action == "store":
-            stored = await tier.write_each([TransferOp(buffer=b, key=k) for b, k in zip(want, keys, strict=True)])
-            return {"stored": stored}
-        got = [torch.zeros(CHUNK_BYTES, dtype=torch.uint8) for _ in range(CHUNKS)]
-        found = await tier.read_each([TransferOp(buffer=b, key=k) for b, k in zip(got, keys, strict=True)])
-        exact = [bool(torch.equal(a, b)) for a, b in zip(got, want, strict=True)]
-        return {"found": found, "exact": exact}
-    finally:
-        await tier.close()
+            await kv.register(ns, [engine_cache(NUM_BLOCKS, seed=STORED_SEED, ns=ns)])
+            await kv.store(ns, request_id="prefill", keys=[keys], block_ids=[list(range(CHUNKS * per_chunk))])
+            await kv.finish_request("prefill")
+            await kv.drain()  # the remote writes landed, or failed
+            landed = {
+                event.key for event in kv.drain_events() if (event.tier, event.kind) == ("remote", KVEventKind.STORED)
+            }
+            return {"stored": [key in landed for key in keys]}
+        cache = [torch.zeros_like(layer) for layer in engine_cache(NUM_BLOCKS, ns=ns)]
+        await kv.register(ns, [cache])
+        kv.lookup(ns, [keys])
+        await kv.drain()
+        hit = kv.lookup(ns, [keys])
+        dest = list(range(CHUNKS * per_chunk, 2 * CHUNKS * per_chunk))
+        tokens = await kv.load(
+            ns, request_id="l", keys=[keys], block_ids=[dest], num_tokens=hit * ns.geometry.chunk_size
+        )
+        loaded = tokens // ns.geometry.chunk_size
+        want = engine_cache(NUM_BLOCKS, seed=STORED_SEED, ns=ns)
+        exact = [
+            all(
+                torch.equal(
+                    mine[dest[c * per_chunk : (c + 1) * per_chunk]], theirs[c * per_chunk : (c + 1) * per_chunk]
+                )
+                for mine, theirs in zip(cache, want, strict=True)
+            )
+            for c in range(loaded)
+        ]
+        return {"found": [c < loaded for c in range(CHUNKS)], "exact": exact}
 
 
 if __name__ == "__main__":

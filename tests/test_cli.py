@@ -121,7 +121,7 @@ def test_python_m_tiered_kv_runs_the_command_and_says_its_version() -> None:
             ["bench", "policies", "keys", "--model", "custom", "--layers", "4", "--policy-trace-scale", "0.01"],
             "--model custom needs --kv-heads, --head-dim",
         ),
-        (["inspect"], "the following arguments are required: DIR"),
+        (["inspect"], "give DIR or --remote TARGET"),
         (["config", "check"], "the following arguments are required: FILE"),
     ],
 )

@@ -41,6 +41,23 @@ def test_config_check_summarizes_a_valid_file(capsys: pytest.CaptureFixture[str]
     ]
 
 
+def test_config_check_says_where_the_remote_tier_is_and_where_its_password_comes_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "kv.toml"
+    remote = (
+        '[remote]\nurl = "rediss://cache:6380"\nprefix = "tkv-prod"\nusername = "kv"\npassword_env = "KV_PASSWORD"\n'
+    )
+    path.write_text("[cpu]\ncapacity_bytes = 1073741824\n\n" + remote)
+    assert main(["config", "check", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == "nvme: none"
+    assert lines[3] == (
+        "remote: rediss://cache:6380, prefix 'tkv-prod', io_depth 8, timeout 2.0 s, TLS, user kv, "
+        "password from $KV_PASSWORD"
+    )
+
+
 def test_config_check_of_a_bad_field_names_file_and_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "kv.toml"
     path.write_text(EXAMPLE.read_text().replace("io_depth = 8", "io_dept = 8"))

@@ -33,7 +33,8 @@ from tiered_kv import (
     window_span,
 )
 from tiered_kv.config import NvmeTierConfig as NvmeConfig
-from tiered_kv.interfaces import HostTier, RecoverableTier, TierDriver
+from tiered_kv.config import RemoteTierConfig
+from tiered_kv.interfaces import HostTier, RecoverableTier, RemoteTier, TierDriver
 from tiered_kv.manager import RegistryTiers
 from tiered_kv.testing import FaultyTier
 
@@ -205,6 +206,11 @@ class FaultyTiers:
     ) -> RecoverableTier:
         driver = await self.inner.nvme(namespace, group, slot_bytes, num_slots, config)
         return self._wrap(driver, 2)  # type: ignore[return-value]
+
+    async def remote(
+        self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: RemoteTierConfig
+    ) -> RemoteTier:
+        return await self.inner.remote(namespace, group, slot_bytes, num_slots, config)
 
 
 async def test_injected_faults_never_reach_the_engine_as_wrong_bytes(tmp_path: Path) -> None:

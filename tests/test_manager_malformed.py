@@ -3,7 +3,9 @@
 Each call must end in a typed :class:`TieredKVError` or a documented miss (``lookup`` and
 ``load`` return fewer chunks or tokens, ``store`` skips), never a native exception and never
 a background failure; and afterwards the manager must go on serving every tenant correct
-bytes. The rules are written down in docs/design.md ("Errors at the public API").
+bytes. The rules are written down in docs/design.md ("Errors at the public API"). The
+same holds with a remote tier configured (a real valkey-server), where lookups also queue
+probes and stores also write to the server.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from conftest import make_namespace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from remote_support import remote_config, requires_valkey, valkey
 from test_manager_data import engine_cache, same_blocks
 
 from tiered_kv import (
@@ -29,7 +32,10 @@ from tiered_kv import (
     TieredKVError,
     chunk_keys,
 )
+from tiered_kv.config import RemoteTierConfig
+from tiered_kv.testing.valkey_server import ValkeyServer
 
+__all__ = ["valkey"]  # fixture
 NS = make_namespace()
 OTHER_MODEL = make_namespace(model_id="acme/other")
 TENANT = msgspec.structs.replace(NS, cache_salt="tenant-b")
@@ -132,6 +138,17 @@ async def serves_correct_bytes(kv: TieredKV, cache: list[torch.Tensor], tag: int
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_malformed_calls_are_typed_errors_or_misses_and_the_manager_keeps_serving(data: Any) -> None:
+    run_malformed_calls(data, remote=None)
+
+
+@requires_valkey
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_malformed_calls_with_a_remote_tier_are_typed_errors_or_misses(valkey: ValkeyServer, data: Any) -> None:
+    run_malformed_calls(data, remote=remote_config(valkey))
+
+
+def run_malformed_calls(data: Any, remote: RemoteTierConfig | None) -> None:
     async def scenario() -> None:
         cache = engine_cache(NUM_BLOCKS)
         chunk = NS.geometry.chunk_bytes()
@@ -139,6 +156,7 @@ def test_malformed_calls_are_typed_errors_or_misses_and_the_manager_keeps_servin
             config = TieredKVConfig(
                 cpu=CpuTierConfig(capacity_bytes=chunk * 24),
                 nvme=NvmeTierConfig(root=root, capacity_bytes=chunk * 48, io_depth=2),
+                remote=remote,
                 namespaces={NS.model_id: NamespacePolicyConfig(cpu_bytes=chunk * 16, nvme_bytes=chunk * 32)},
             )
             kv = TieredKV(config)

@@ -4,19 +4,29 @@ them under random ``asyncio.timeout`` deadlines or cancelled outright, injected 
 What it asserts is what an engine relies on: every round of requests finishes within a
 bound (nothing wedges), every loaded block is bit-exact, and once ``drain()`` returns no
 pin, waiter or queued chunk is left and the statistics add up.
+
+The remote configuration adds a remote tier on a real valkey-server below cpu and an
+nvme tier too small for the working set, with a per-I/O timeout of a few ms and the
+server frozen now and then (SIGSTOP) while requests are in flight: its reads, writes and
+probes time out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from remote_support import MISSING
 from test_manager_data import FaultyTiers
 from test_manager_stress import CHUNK, NS, PER_CHUNK, Engine
 
 from tiered_kv import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, TieredKV, TieredKVConfig, chunk_keys
+from tiered_kv.config import RemoteTierConfig
+from tiered_kv.testing.valkey_server import ValkeyServer
 
 ROUNDS = 8
 REQUESTS_PER_ROUND = 60
@@ -37,23 +47,64 @@ async def deadline(rng: random.Random, coro, *, always: bool = False):  # type: 
         return None
 
 
-@pytest.mark.parametrize(("seed", "latency_s"), [(1, 0.0), (2, 0.0005)])
+@contextlib.asynccontextmanager
+async def freezing(server: ValkeyServer, rng: random.Random) -> AsyncIterator[None]:
+    """While the block runs, freeze the server for up to 20 ms every 0–50 ms."""
+
+    async def freeze() -> None:
+        while True:
+            await asyncio.sleep(rng.uniform(0, 0.05))
+            server.pause()
+            try:
+                await asyncio.sleep(rng.uniform(0, 0.02))
+            finally:
+                server.resume()
+
+    task = asyncio.ensure_future(freeze())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.parametrize(
+    ("seed", "latency_s", "remote"),
+    [
+        (1, 0.0, False),
+        (2, 0.0005, False),
+        pytest.param(3, 0.0, True, marks=pytest.mark.skipif(MISSING is not None, reason=MISSING or "")),
+    ],
+)
 async def test_random_deadlines_and_faults_never_wedge_leak_or_serve_wrong_bytes(
-    tmp_path: Path, seed: int, latency_s: float
+    tmp_path: Path, seed: int, latency_s: float, remote: bool
 ) -> None:
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(ValkeyServer()) if remote else None
+        await soak(tmp_path, seed, latency_s, server)
+
+
+async def soak(tmp_path: Path, seed: int, latency_s: float, server: ValkeyServer | None) -> None:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(50_000) for _ in range(CHUNK * rng.randint(2, 5))] for _ in range(5)]
     tiers = FaultyTiers(seed=seed, error_rate=0.02, torn_rate=0.02, max_latency_s=latency_s)
     chunk_bytes = NS.geometry.chunk_bytes()
+    remote = None
+    if server is not None:
+        remote = RemoteTierConfig(url=server.url, prefix="soak", timeout_s=0.005, backoff_s=0.001, backoff_max_s=0.01)
     config = TieredKVConfig(
         cpu=CpuTierConfig(capacity_bytes=chunk_bytes * 24),
-        nvme=NvmeTierConfig(root=str(tmp_path), capacity_bytes=chunk_bytes * 96, io_depth=2),
+        # Under a remote tier, nvme is too small for the working set: chunks come back from the server.
+        nvme=NvmeTierConfig(root=str(tmp_path), capacity_bytes=chunk_bytes * (16 if remote else 96), io_depth=2),
+        remote=remote,
         default_policy=NamespacePolicyConfig(policy="lru"),
     )
     engine = Engine()
     tally = {"loaded_chunks": 0, "deadlines_hit": 0, "cancelled": 0, "asked": 0}
 
-    async with TieredKV(config, tiers=tiers, copy_concurrency=1, max_store_chunks=32) as kv:
+    async with contextlib.AsyncExitStack() as stack:
+        kv = await stack.enter_async_context(TieredKV(config, tiers=tiers, copy_concurrency=1, max_store_chunks=32))
         await kv.register(NS, [engine.cache])
 
         async def request(name: str) -> None:
@@ -125,6 +176,8 @@ async def test_random_deadlines_and_faults_never_wedge_leak_or_serve_wrong_bytes
             )
 
         await request("warm-up")  # the hot readers' prefix is in cpu from the start
+        if server is not None:
+            await stack.enter_async_context(freezing(server, rng))
         for r in range(ROUNDS):
             try:
                 await asyncio.wait_for(run_round(r), ROUND_BOUND_S)
@@ -139,6 +192,10 @@ async def test_random_deadlines_and_faults_never_wedge_leak_or_serve_wrong_bytes
         assert all(tier.used_chunks <= tier.capacity_chunks for tier in stats.tiers)
         assert {name: depth for name, depth in stats.queue_depths.items() if depth} == {}
         assert sum(stats.lookups.values()) == tally["asked"]
+        if server is not None:
+            [pool] = stats.remote
+            assert stats.loaded_chunks.get("remote", 0) > 10, "the remote tier served nothing"
+            assert pool.driver.failed > 0, "no remote I/O ran into a frozen server"
 
     faults = sum(len(t.faults) for t in tiers.wrapped)
     assert tally["loaded_chunks"] > 50 and tally["deadlines_hit"] > 20 and tally["cancelled"] > 0 and faults > 5, (

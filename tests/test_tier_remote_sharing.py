@@ -1,6 +1,7 @@
-"""Two engine processes share one remote tier: what one stores, the other loads
-bit-exact; an engine whose namespace differs in revision, dtype, TP size or cache salt
-gets misses. Over one server and over a 3-node cluster."""
+"""Two engine processes, each a ``TieredKV``, share one remote tier: what one stores, the
+other finds through a probe and loads bit-exact; an engine whose namespace differs in
+revision, dtype, TP size or cache salt gets misses, as does one under another prefix.
+Over one server and over a 3-node cluster."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_engine_b_loads_what_engine_a_stored_and_other_namespaces_miss(
     assert engine("store", where, prefix, "same") == {"same": {"stored": [True] * 8}}
     others = ("revision", "dtype", "tp", "salt")
     loaded = engine("load", where, prefix, ",".join(("same", *others)))
-    assert loaded["same"] == {"found": [True] * 8, "exact": [True] * 8}
+    assert loaded["same"] == {"found": [True] * 8, "exact": [True] * 8}, loaded["same"]
     for variant in others:
         assert loaded[variant]["found"] == [False] * 8, variant
     assert engine("load", where, "another-prefix", "same")["same"]["found"] == [False] * 8

@@ -50,13 +50,15 @@ TIER_NAMES = ("cpu", "nvme")
 
 
 class WritePolicy(enum.StrEnum):
-    """When a chunk stored in the cpu tier is also written to nvme."""
+    """When a chunk stored in the cpu tier is also written to nvme and to the remote tier
+    (each that is configured), from its cpu slot."""
 
-    #: Every stored chunk is written to nvme in the background.
+    #: Every stored chunk is written in the background (and a chunk loaded from the
+    #: remote tier is written to nvme).
     WRITE_THROUGH = "write_through"
-    #: A chunk is written to nvme when the cpu tier evicts it.
+    #: A chunk is written when the cpu tier evicts it, before its slot is reused.
     WRITE_BACK = "write_back"
-    #: A chunk is written to nvme once it has been hit ``selective_hits`` times.
+    #: A chunk is written once it has been hit ``selective_hits`` times.
     SELECTIVE = "selective"
 
 
@@ -112,6 +114,17 @@ class RemoteTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     username: str | None = None
     password_env: str | None = None
     password_file: str | None = None
+    #: Chunk keys per KV group the residency hint remembers as likely on the server (and,
+    #: as many, as known absent): about 150 bytes of host memory each.
+    hint_chunks: int = 65536
+    #: How long a key the server did not have is not asked about again.
+    absent_ttl_s: float = 5.0
+    #: Keys a lookup that stops at an unknown key queues for an ``EXISTS`` probe: it and
+    #: the unknown keys right after it (another engine may have stored the whole prefix).
+    probe_ahead: int = 16
+    #: Keys waiting to be probed, at most (the oldest are dropped), and keys per ``EXISTS`` batch.
+    max_probes: int = 4096
+    probe_batch: int = 256
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -131,8 +144,9 @@ class RemoteTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 raise ConfigError(f"expected host:port, got {node!r}", field="cluster_nodes")
         if not self.prefix or any(c in self.prefix for c in " \r\n"):
             raise ConfigError("must be non-empty, without spaces or line breaks", field="prefix")
-        _require_positive("io_depth", self.io_depth)
-        for name in ("timeout_s", "connect_timeout_s", "backoff_s", "backoff_max_s"):
+        for name in ("io_depth", "hint_chunks", "probe_ahead", "max_probes", "probe_batch"):
+            _require_positive(name, getattr(self, name))
+        for name in ("timeout_s", "connect_timeout_s", "backoff_s", "backoff_max_s", "absent_ttl_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"must be a positive number of seconds, got {value!r}", field=name)

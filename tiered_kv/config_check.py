@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tiered_kv.cli_errors import EXIT_FAILED
-from tiered_kv.config import NamespacePolicyConfig, TieredKVConfig, WritePolicy, load_config
+from tiered_kv.config import NamespacePolicyConfig, RemoteTierConfig, TieredKVConfig, WritePolicy, load_config
 from tiered_kv.errors import ConfigError
 
 
@@ -60,6 +60,19 @@ def _policy(policy: NamespacePolicyConfig) -> str:
     return ", ".join(parts)
 
 
+def _remote(remote: RemoteTierConfig) -> str:
+    """Where, how, and where the password comes from (never the password)."""
+    where = remote.url or "cluster " + ",".join(remote.cluster_nodes)
+    parts = [where, f"prefix {remote.prefix!r}", f"io_depth {remote.io_depth}", f"timeout {remote.timeout_s} s"]
+    parts += ["TLS"] if remote.uses_tls else []
+    parts += [f"user {remote.username}"] if remote.username else []
+    if remote.password_env is not None:
+        parts.append(f"password from ${remote.password_env}")
+    elif remote.password_file is not None:
+        parts.append(f"password from {remote.password_file}")
+    return ", ".join(parts)
+
+
 def summary(path: Path, config: TieredKVConfig) -> str:
     """What the config sets up, a line per tier and per policy."""
     lines = [f"{path}: valid", f"cpu:  {_gib(config.cpu.capacity_bytes)} of pinned host memory"]
@@ -68,6 +81,8 @@ def summary(path: Path, config: TieredKVConfig) -> str:
     else:
         nvme = config.nvme
         lines.append(f"nvme: {_gib(nvme.capacity_bytes)} under {nvme.root}, io_depth {nvme.io_depth}")
+    if config.remote is not None:
+        lines.append(f"remote: {_remote(config.remote)}")
     lines.append(f"default policy: {_policy(config.default_policy)}")
     lines += [f"model {model}: {_policy(policy)}" for model, policy in config.namespaces.items()]
     return "\n".join(lines)

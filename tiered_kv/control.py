@@ -15,6 +15,12 @@ A *pool* is one model runner's KV group: a base namespace (without tenant fields
 index, with a cpu index and optionally an nvme index of equal-sized chunk slots. Its
 tenants (LoRA adapters, cache salts) share it through the indexes' partitions, each with
 a policy and a quota of its own; a chunk is served only to the namespace that stored it.
+
+Below nvme a pool may have a remote tier: a store shared with other engines that evicts
+as it pleases, so the control plane keeps no index of it, only a
+:class:`~tiered_kv.remote_hint.ResidencyHint` of what it likely holds. ``lookup`` counts
+a likely-remote chunk as a hit; the promise is "likely": the load may find it gone, and
+then returns the good prefix before it.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from tiered_kv.arguments import require_namespace
-from tiered_kv.config import NamespacePolicyConfig, WritePolicy
+from tiered_kv.config import NamespacePolicyConfig, RemoteTierConfig, WritePolicy
 from tiered_kv.directory import PENDING, READY, LeaseEpoch, Reservation, TierIndex, Victim
 from tiered_kv.errors import BlockTableError, ChunkKeyError, ConfigError, NamespaceError
 from tiered_kv.interfaces import AdmissionFilter
@@ -35,6 +41,7 @@ from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
 from tiered_kv.partition import TierPartition
 from tiered_kv.policy_factory import make_admission_filter
+from tiered_kv.remote_hint import ResidencyHint
 from tiered_kv.spans import span_chunks, window_span
 from tiered_kv.stats import KVEventKind, NamespaceUsage, TierUsage
 from tiered_kv.telemetry import Telemetry
@@ -51,6 +58,8 @@ class ChunkState(enum.Enum):
     CPU_READY = "cpu_ready"
     #: Only nvme holds it: a promotion into cpu must come first.
     NVME_READY = "nvme_ready"
+    #: No local tier holds it, and the remote tier likely does: a promotion may bring it in.
+    REMOTE_LIKELY = "remote_likely"
 
 
 class Pool:
@@ -64,6 +73,7 @@ class Pool:
         cpu: TierIndex,
         nvme: TierIndex | None,
         admission: AdmissionFilter | None,
+        hint: ResidencyHint | None = None,
     ) -> None:
         geometry = base.geometry
         self.fingerprint = base.fingerprint_hex
@@ -81,6 +91,8 @@ class Pool:
         self.nvme = nvme
         #: Turns away chunks not yet seen often enough to be worth storing (``None``: none).
         self.admission = admission
+        #: What the remote tier likely holds (``None``: the pool has no remote tier).
+        self.hint = hint
         #: Tenant namespaces (fingerprints) that have a share in this pool's partitions.
         self.owners: set[str] = set()
 
@@ -96,25 +108,43 @@ class Pool:
             return ChunkState.CPU_PENDING
         if self.nvme is not None and self.nvme.ready_for(key, namespace):
             return ChunkState.NVME_READY
+        if self.hint is not None and self.hint.likely(key, namespace):
+            return ChunkState.REMOTE_LIKELY
         return ChunkState.ABSENT
 
-    def ready_prefix(self, keys: Sequence[ChunkKey], namespace: str, n: int) -> tuple[int, int]:
-        """How many of ``keys[:n]`` are ready for ``namespace`` in some tier, from the
-        first, and how many of those only nvme holds (the lookup hot path)."""
+    def ready_prefix(self, keys: Sequence[ChunkKey], namespace: str, n: int) -> tuple[int, int, int]:
+        """How many of ``keys[:n]`` are ready for ``namespace`` in some tier (the remote
+        tier: likely), from the first, how many of those only nvme holds and how many only
+        the remote tier (the lookup hot path). A key no tier holds ends the run; it and the
+        unknown keys after it are queued for a remote probe."""
         in_cpu = self.cpu.ready_for
         in_nvme = self.nvme.ready_for if self.nvme is not None else None
-        from_nvme = 0
+        hint = self.hint
+        from_nvme = from_remote = 0
         for i in range(n):
             key = keys[i]
             if in_cpu(key, namespace):
                 continue
-            if in_nvme is None or not in_nvme(key, namespace):
-                return i, from_nvme
-            from_nvme += 1
-        return n, from_nvme
+            if in_nvme is not None and in_nvme(key, namespace):
+                from_nvme += 1
+                continue
+            if hint is None:
+                return i, from_nvme, from_remote
+            if not hint.likely(key, namespace):
+                hint.probe_from(keys, i, namespace)
+                return i, from_nvme, from_remote
+            from_remote += 1
+        return n, from_nvme, from_remote
 
-    def ready_anywhere(self, key: ChunkKey, namespace: str) -> bool:
-        return self.cpu.ready_for(key, namespace) or (self.nvme is not None and self.nvme.ready_for(key, namespace))
+    def source(self, key: ChunkKey, namespace: str) -> str | None:
+        """The fastest tier ``namespace`` can read ``key`` from (the remote tier: likely), or ``None``."""
+        if self.cpu.ready_for(key, namespace):
+            return "cpu"
+        if self.nvme is not None and self.nvme.ready_for(key, namespace):
+            return "nvme"
+        if self.hint is not None and self.hint.likely(key, namespace):
+            return "remote"
+        return None
 
     def resident_anywhere(self, key: ChunkKey) -> bool:
         return key in self.cpu or (self.nvme is not None and key in self.nvme)
@@ -174,6 +204,32 @@ class NvmeWrite:
     pinned: list[ChunkKey]
 
 
+@dataclasses.dataclass(slots=True)
+class RemotePromotion:
+    """Read ``namespace``'s ``key`` from the remote tier into cpu slot ``cpu_slot`` (PENDING)."""
+
+    pool: Pool
+    key: ChunkKey
+    namespace: str
+    cpu_slot: int
+    #: Chunks the cpu reservation evicted (to spill first under write-back).
+    evicted: list[Victim]
+
+
+@dataclasses.dataclass(slots=True)
+class RemoteWrite:
+    """Copy chunks of one namespace from cpu slots to the remote tier."""
+
+    pool: Pool
+    #: The namespace the chunks belong to (their names and headers bind it).
+    namespace: str
+    #: ``(key, cpu slot)``.
+    chunks: list[tuple[ChunkKey, int]]
+    #: cpu chunks pinned while their bytes are written (released on completion); a
+    #: write-back spill pins none: its slots are the new chunks' PENDING reservation.
+    pinned: list[ChunkKey]
+
+
 class PromotionOutcome(enum.Enum):
     DONE = "done"
     #: The read failed or was cancelled: the nvme copy may still be good.
@@ -200,8 +256,16 @@ class ControlPlane:
         self._epoch = LeaseEpoch()
 
     # -- pools -------------------------------------------------------------------------
-    def add_pools(self, base: Namespace, policy: NamespacePolicyConfig, cpu_slots: int, nvme_slots: int) -> list[Pool]:
-        """One pool per KV group of ``base``, each with ``cpu_slots`` (and ``nvme_slots``)."""
+    def add_pools(
+        self,
+        base: Namespace,
+        policy: NamespacePolicyConfig,
+        cpu_slots: int,
+        nvme_slots: int,
+        remote: RemoteTierConfig | None = None,
+    ) -> list[Pool]:
+        """One pool per KV group of ``base``, each with ``cpu_slots`` (and ``nvme_slots``),
+        and a residency hint of the ``remote`` tier if there is one."""
         if base.fingerprint_hex in self._by_base:
             raise ConfigError(f"{base.model_id} already has pools", field="namespace")
         pools = []
@@ -217,7 +281,16 @@ class ControlPlane:
                 # storing comes back before that many others have been seen.
                 remembered = 4 * (cpu_slots + nvme_slots)
                 admission = make_admission_filter(policy.admission, remembered, k=policy.admission_k)
-            pools.append(Pool(base, group, policy, cpu, nvme, admission))
+            hint = None
+            if remote is not None:
+                hint = ResidencyHint(
+                    remote.hint_chunks,
+                    probe_capacity=remote.max_probes,
+                    probe_ahead=remote.probe_ahead,
+                    absent_ttl_s=remote.absent_ttl_s,
+                    clock=self._clock,
+                )
+            pools.append(Pool(base, group, policy, cpu, nvme, admission, hint))
         for pool in pools:
             self.owner(pool, pool.fingerprint)  # the model's own share comes first
             self.pools[pool.id] = pool
@@ -295,40 +368,66 @@ class ControlPlane:
         try:
             if len(pools) == 1 and pools[0].kind is not AttentionKind.SLIDING_WINDOW:
                 asked = len(keys[0])
-                n, from_nvme = pools[0].ready_prefix(keys[0], owner, asked)
+                n, from_nvme, from_remote = pools[0].ready_prefix(keys[0], owner, asked)
             else:
-                asked, n, from_nvme = self._lookup_groups(pools, keys, owner)
+                asked, n, from_nvme, from_remote = self._lookup_groups(pools, keys, owner)
         except TypeError as exc:  # an unhashable "key"
             raise ChunkKeyError(f"a chunk key must be bytes: {exc}") from None
         telemetry = self.telemetry
-        telemetry.hit_cpu += n - from_nvme
+        telemetry.hit_cpu += n - from_nvme - from_remote
         telemetry.hit_nvme += from_nvme
+        telemetry.hit_remote += from_remote
         telemetry.missed += asked - n
         return n
 
-    def _lookup_groups(self, pools: list[Pool], keys: Sequence[Sequence[ChunkKey]], owner: str) -> tuple[int, int, int]:
-        """:meth:`lookup` over several KV groups: chunk positions asked, found, and how
-        many of those some full-attention group holds only in nvme."""
+    def _lookup_groups(
+        self, pools: list[Pool], keys: Sequence[Sequence[ChunkKey]], owner: str
+    ) -> tuple[int, int, int, int]:
+        """:meth:`lookup` over several KV groups: chunk positions asked, found, and of
+        those how many some full-attention group needs from nvme and how many from the
+        remote tier (the slowest tier a position needs counts)."""
         asked = n = min(len(group_keys) for group_keys in keys)
         windowed = []
-        nvme_at: set[int] = set()
+        full = []
         for pool, group_keys in zip(pools, keys, strict=True):
             if pool.kind is AttentionKind.SLIDING_WINDOW:
                 windowed.append((pool, group_keys))
                 continue
-            n, _ = pool.ready_prefix(group_keys, owner, n)
-            if pool.nvme is not None:
-                nvme_at.update(i for i in range(n) if not pool.cpu.ready_for(group_keys[i], owner))
+            n, _, _ = pool.ready_prefix(group_keys, owner, n)
+            full.append((pool, group_keys))
+        for pool, group_keys in windowed:
+            if pool.hint is not None:
+                # The window at the whole prompt (where probes of the full groups may
+                # take the prefix) and the window at the prefix found now.
+                for at in {asked, n} - {0}:
+                    self._probe_window(pool, group_keys, at, owner)
         while n and not all(self._window_ready(pool, group_keys, n, owner) for pool, group_keys in windowed):
             n -= 1
-        return asked, n, sum(1 for i in nvme_at if i < n)
+        slowest = ["cpu"] * n
+        for pool, group_keys in full:
+            if pool.nvme is not None or pool.hint is not None:
+                for i in range(n):
+                    source = pool.source(group_keys[i], owner)
+                    if source == "remote" or (source == "nvme" and slowest[i] == "cpu"):
+                        slowest[i] = source
+        return asked, n, slowest.count("nvme"), slowest.count("remote")
 
     @staticmethod
-    def _window_ready(pool: Pool, keys: Sequence[ChunkKey], n_chunks: int, owner: str) -> bool:
+    def _window_chunks(pool: Pool, n_chunks: int) -> range:
         assert pool.window is not None
         span = window_span(n_chunks * pool.chunk_size, pool.window, pool.block_size)
-        chunks = span_chunks(span, block_size=pool.block_size, chunk_size=pool.chunk_size).chunks
-        return all(pool.ready_anywhere(keys[c], owner) for c in chunks)
+        return span_chunks(span, block_size=pool.block_size, chunk_size=pool.chunk_size).chunks
+
+    def _window_ready(self, pool: Pool, keys: Sequence[ChunkKey], n_chunks: int, owner: str) -> bool:
+        return all(pool.source(keys[c], owner) is not None for c in self._window_chunks(pool, n_chunks))
+
+    def _probe_window(self, pool: Pool, keys: Sequence[ChunkKey], n_chunks: int, owner: str) -> None:
+        """Queue remote probes for the chunks of the window at ``n_chunks`` that no tier knows of."""
+        assert pool.hint is not None
+        for c in self._window_chunks(pool, n_chunks):
+            if pool.source(keys[c], owner) is None:
+                pool.hint.probe_from(keys, c, owner)
+                return
 
     # -- leases ------------------------------------------------------------------------
     def lease(self, pool: Pool, key: ChunkKey) -> None:
@@ -444,7 +543,8 @@ class ControlPlane:
 
     def complete_store(self, group: StoreGroup, ok: bool) -> list[ChunkKey]:
         """The copy into ``group``'s cpu slots finished (READY) or failed or was
-        cancelled (dropped). The keys the write-through policy wants on nvme now."""
+        cancelled (dropped). The keys the write-through policy wants on nvme and the
+        remote tier now."""
         pool = group.pool
         if not ok:
             for key, _ in group.chunks:
@@ -454,7 +554,7 @@ class ControlPlane:
             pool.cpu.mark_ready(key)
             self.telemetry.emit(KVEventKind.STORED, "cpu", group.namespace, pool.group, key)
         self.telemetry.bytes_moved["gpu->cpu"] += pool.chunk_bytes * len(group.chunks)
-        if pool.policy.write_policy is WritePolicy.WRITE_THROUGH and pool.nvme is not None:
+        if pool.policy.write_policy is WritePolicy.WRITE_THROUGH and (pool.nvme is not None or pool.hint is not None):
             return [key for key, _ in group.chunks]
         return []
 
@@ -553,6 +653,82 @@ class ControlPlane:
             self.telemetry.emit(KVEventKind.REMOVED, "nvme", pool.nvme.namespace(key), pool.group, key)
             return [pool.nvme.drop(key)]
         return []
+
+    # -- remote → cpu ------------------------------------------------------------------
+    def plan_remote_promotion(
+        self, pool: Pool, key: ChunkKey, namespace: str, parent: ChunkKey | None = None
+    ) -> RemotePromotion | bool:
+        """Reserve a cpu slot for ``namespace``'s chunk ``key``, which the remote tier
+        likely holds (``parent``: its predecessor in the prompt, when the load knows it).
+        ``True`` when cpu holds it ready already, ``False`` when it cannot come in now
+        (not likely remote, being stored or promoted, or no cpu room)."""
+        if pool.cpu.ready_for(key, namespace):
+            return True
+        if pool.hint is None or not pool.hint.likely(key, namespace) or key in pool.cpu:
+            return False
+        reservation = pool.cpu.reserve([key], self.owner(pool, namespace), namespace, parents={key: parent})
+        if reservation is None:
+            log.info("tier.full", tier="cpu", namespace=pool.fingerprint, reason="promotion")
+            return False
+        self._evicted(pool, "cpu", reservation.evicted)
+        return RemotePromotion(pool, key, namespace, reservation.slots[key], reservation.evicted)
+
+    def complete_remote_promotion(self, promotion: RemotePromotion, ok: bool) -> None:
+        """The read brought the verified chunk (READY in cpu), or found none — absent,
+        evicted, corrupt (the store deleted it), unreachable — or was cancelled: dropped,
+        and the hint learns it is gone."""
+        pool, key, namespace = promotion.pool, promotion.key, promotion.namespace
+        assert pool.hint is not None
+        if ok:
+            pool.cpu.mark_ready(key)
+            pool.hint.note_present([key], namespace)
+            self.telemetry.bytes_moved["remote->cpu"] += pool.chunk_bytes
+            self.telemetry.emit(KVEventKind.STORED, "cpu", namespace, pool.group, key)
+            return
+        pool.cpu.drop(key)
+        for gone in pool.hint.note_absent([key], namespace):
+            self.telemetry.emit(KVEventKind.REMOVED, "remote", namespace, pool.group, gone)
+
+    # -- cpu → remote ------------------------------------------------------------------
+    def plan_remote_copy(self, pool: Pool, keys: Iterable[ChunkKey], namespace: str) -> RemoteWrite | None:
+        """Write-through and selective: copy ``namespace``'s READY cpu chunks that the
+        remote tier likely lacks, pinned in cpu meanwhile; ``None`` when none needs it."""
+        hint = pool.hint
+        if hint is None:
+            return None
+        wanted = [
+            key for key in dict.fromkeys(keys) if pool.cpu.ready_for(key, namespace) and not hint.likely(key, namespace)
+        ]
+        if not wanted:
+            return None
+        return RemoteWrite(pool, namespace, [(key, pool.cpu.pin(key)) for key in wanted], pinned=wanted)
+
+    def plan_remote_spill(self, pool: Pool, evicted: list[Victim]) -> list[RemoteWrite]:
+        """Write-back: copy chunks the cpu tier just evicted to the remote tier before their
+        slots are reused, one write per namespace; none for chunks it likely holds."""
+        hint = pool.hint
+        if pool.policy.write_policy is not WritePolicy.WRITE_BACK or hint is None:
+            return []
+        chunks: dict[str, list[tuple[ChunkKey, int]]] = {}
+        for victim in evicted:
+            if not hint.likely(victim.key, victim.namespace):
+                chunks.setdefault(victim.namespace, []).append((victim.key, victim.slot))
+        return [RemoteWrite(pool, namespace, mine, pinned=[]) for namespace, mine in chunks.items()]
+
+    def complete_remote_write(self, write: RemoteWrite, landed: Sequence[bool]) -> None:
+        """The write finished: ``landed[i]`` says whether ``write.chunks[i]`` reached the
+        store (none did for a write that failed or was cancelled)."""
+        pool, namespace = write.pool, write.namespace
+        assert pool.hint is not None
+        for key in write.pinned:
+            pool.cpu.unpin(key)
+        done = [key for (key, _), ok in zip(write.chunks, landed, strict=True) if ok]
+        pool.hint.note_present(done, namespace)
+        if len(done) < len(write.chunks):
+            pool.hint.note_absent([key for (key, _), ok in zip(write.chunks, landed, strict=True) if not ok], namespace)
+        for key in done:
+            self.telemetry.emit(KVEventKind.STORED, "remote", namespace, pool.group, key)
+        self.telemetry.bytes_moved["cpu->remote"] += pool.chunk_bytes * len(done)
 
     # -- observation -------------------------------------------------------------------
     def usage(self) -> tuple[list[TierUsage], list[NamespaceUsage]]:

@@ -1,15 +1,20 @@
-"""``tiered-kv inspect DIR [--verify] [--json PATH]``: what an nvme cache directory holds.
+"""``tiered-kv inspect DIR [--verify] [--json PATH]``: what an nvme cache directory holds;
+``tiered-kv inspect --remote TARGET [--prefix P] [--json PATH]``: what a Valkey/Redis
+deployment holds under a prefix.
 
-The nvme driver, found by name in :data:`tiered_kv.registry.TIERS`, does the inspecting
-(:class:`tiered_kv.inspection.InspectableTier`); this module asks it and renders the
-answer for people: per store its namespace and a table of its KV groups, then whatever
-is damaged. Exit status: 0; 1 when ``--verify`` found damage; 2 when ``DIR`` is not a
-directory holding a store.
+The drivers, found by name in :data:`tiered_kv.registry.TIERS`, do the inspecting
+(:class:`tiered_kv.inspection.InspectableTier`, :class:`~tiered_kv.inspection.InspectableRemote`);
+this module asks them and renders the answer for people: per nvme store its namespace and
+a table of its KV groups, then whatever is damaged; for a deployment, keys and bytes per
+namespace fingerprint and KV group. Exit status: 0; 1 when ``--verify`` found damage or
+the deployment could not be walked; 2 when ``DIR`` is not a directory holding a store, or
+``TARGET`` names no deployment.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -18,8 +23,16 @@ import msgspec
 
 from tiered_kv.bench.report import Table
 from tiered_kv.cli_errors import EXIT_FAILED, EXIT_USAGE
-from tiered_kv.errors import TieredKVError
-from tiered_kv.inspection import GroupReport, InspectableTier, Inspection, StoreReport
+from tiered_kv.config import RemoteTierConfig, TieredKVConfig, load_config
+from tiered_kv.errors import ConfigError, TieredKVError
+from tiered_kv.inspection import (
+    GroupReport,
+    InspectableRemote,
+    InspectableTier,
+    Inspection,
+    RemoteInspection,
+    StoreReport,
+)
 from tiered_kv.namespace import Namespace
 from tiered_kv.registry import TIERS
 
@@ -30,21 +43,40 @@ EXIT_DAMAGED = EXIT_FAILED
 def add_inspect_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "inspect",
-        help="list what an nvme cache directory holds; --verify checks every chunk",
+        help="list what an nvme cache directory (or, with --remote, a Valkey/Redis deployment) holds",
         description="List the stores of an nvme cache directory: namespace (model, dtype, geometry) and per KV group "
         "slots, chunks and bytes. Read-only: a store in use may be inspected, but then chunks being written can "
-        "show up as corrupt. Exit status 0, 1 when --verify finds damage, 2 when DIR holds no store.",
+        "show up as corrupt. With --remote instead of DIR: keys and bytes under a prefix of a Valkey/Redis "
+        "deployment, per namespace fingerprint and KV group (SCAN over every node). Exit status 0, 1 when --verify "
+        "finds damage or the deployment cannot be walked, 2 when DIR holds no store or TARGET names no deployment.",
     )
-    parser.add_argument("directory", type=Path, metavar="DIR", help="the nvme root, or one store's directory")
+    parser.add_argument(
+        "directory", type=Path, nargs="?", metavar="DIR", help="the nvme root, or one store's directory"
+    )
     parser.add_argument(
         "--verify", action="store_true", help="read every chunk the manifests list and check it as a reopen would"
     )
+    parser.add_argument(
+        "--remote",
+        metavar="TARGET",
+        help="a deployment instead of DIR: redis://host:port (rediss:// for TLS), host:port,... of a cluster, or a "
+        "TOML/JSON config file whose [remote] section names it (with its prefix, TLS and credentials)",
+    )
+    parser.add_argument("--prefix", help="with --remote: the key prefix (default: the config's, or tkv)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON")
     parser.set_defaults(handler=run_inspect)
 
 
 def run_inspect(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Inspect ``args.directory``; print the report; write JSON; the exit status."""
+    """Inspect ``args.directory`` or ``args.remote``; print the report; write JSON; the exit status."""
+    if (args.directory is None) == (args.remote is None):
+        return _usage_error("give DIR or --remote TARGET")
+    if args.remote is not None:
+        if args.verify:
+            return _usage_error("--verify inspects a directory, not --remote")
+        return _inspect_remote(args, out)
+    if args.prefix is not None:
+        return _usage_error("--prefix is an option of --remote")
     if not args.directory.exists():
         return _usage_error(f"{args.directory} does not exist")
     if not args.directory.is_dir():
@@ -63,6 +95,54 @@ def run_inspect(args: argparse.Namespace, out: TextIO | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(inspection), indent=2) + b"\n")
     return EXIT_DAMAGED if args.verify and inspection.damaged else 0
+
+
+def _inspect_remote(args: argparse.Namespace, out: TextIO | None) -> int:
+    try:
+        config = remote_target(args.remote, args.prefix)
+    except ConfigError as exc:
+        return _usage_error(str(exc))
+    driver = TIERS.get("remote")
+    if not isinstance(driver, InspectableRemote):
+        return _usage_error(f"the remote tier driver {driver!r} cannot inspect")
+    usage = asyncio.run(driver.survey(config))  # a TierError is a failure: exit 1, one line
+    target = config.url or ",".join(config.cluster_nodes)
+    inspection = RemoteInspection(target=target, prefix=config.prefix, usage=tuple(usage))
+    print(render_remote(inspection), file=out or sys.stdout)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(inspection), indent=2) + b"\n")
+    return 0
+
+
+def remote_target(target: str, prefix: str | None) -> RemoteTierConfig:
+    """The deployment ``target`` names: a URL, cluster nodes, or a config file's ``[remote]``."""
+    remote: RemoteTierConfig | None
+    if target.lower().endswith((".toml", ".json")):
+        remote = load_config(target, TieredKVConfig).remote
+        if remote is None:
+            raise ConfigError("has no [remote] section", source=target)
+    elif "://" in target:
+        remote = RemoteTierConfig(url=target)
+    else:
+        remote = RemoteTierConfig(cluster_nodes=target.split(","))
+    return remote if prefix is None else msgspec.structs.replace(remote, prefix=prefix)
+
+
+def render_remote(inspection: RemoteInspection) -> str:
+    rows = [
+        [entry.fingerprint[:16], str(entry.group), f"{entry.keys:,}", f"{entry.bytes:,}"] for entry in inspection.usage
+    ]
+    keys = sum(entry.keys for entry in inspection.usage)
+    nbytes = sum(entry.bytes for entry in inspection.usage)
+    namespaces = len({entry.fingerprint for entry in inspection.usage})
+    table = Table(
+        title=f"remote {inspection.target} prefix {inspection.prefix!r}",
+        headers=["namespace", "group", "keys", "value bytes"],
+        rows=rows,
+        note="namespace: the fingerprint's first 16 hex digits (--json has them all); value bytes include headers",
+    )
+    return f"{table.render()}\n\ntotal: {namespaces} namespace(s), {keys:,} keys, {nbytes:,} value bytes"
 
 
 def _usage_error(message: str) -> int:

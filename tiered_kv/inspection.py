@@ -1,19 +1,25 @@
-"""What a persistent tier reports about the stores in a directory: ``tiered-kv inspect``.
+"""What a persistent tier reports about the stores in a directory, and a remote tier
+about a deployment: ``tiered-kv inspect``.
 
-Inspecting is driver-specific (only the driver knows its files), so a driver that keeps
-stores on disk offers :class:`InspectableTier` and answers with these frozen records;
-the CLI finds the driver by name in :data:`tiered_kv.registry.TIERS` and renders them.
+Inspecting is driver-specific (only the driver knows its files or key names), so a
+driver that keeps stores on disk offers :class:`InspectableTier`, and a remote one
+:class:`InspectableRemote`, and answers with these frozen records; the CLI finds the
+driver by name in :data:`tiered_kv.registry.TIERS` and renders them.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
+from tiered_kv.interfaces import RemoteUsage
 from tiered_kv.layout import KVGroup
 from tiered_kv.namespace import Namespace
+
+if TYPE_CHECKING:
+    from tiered_kv.config import RemoteTierConfig
 
 
 class CorruptSlot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -85,3 +91,19 @@ class InspectableTier(Protocol):
     """A tier driver (class) that can report on the stores under a directory, read-only."""
 
     def inspect(self, root: str | os.PathLike[str], *, verify: bool = False) -> Inspection: ...
+
+
+class RemoteInspection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a remote deployment holds under one prefix, per namespace and KV group."""
+
+    #: The server's URL or the cluster's seed nodes (never credentials).
+    target: str
+    prefix: str
+    usage: tuple[RemoteUsage, ...]
+
+
+@runtime_checkable
+class InspectableRemote(Protocol):
+    """A remote tier driver (class) that can count what a deployment holds under a prefix."""
+
+    async def survey(self, config: RemoteTierConfig) -> list[RemoteUsage]: ...

@@ -27,7 +27,7 @@ from tiered_kv.keys import ChunkKey
 if TYPE_CHECKING:  # annotations only: the core's plain modules load without torch
     import torch
 
-    from tiered_kv.config import NvmeTierConfig
+    from tiered_kv.config import NvmeTierConfig, RemoteTierConfig
     from tiered_kv.namespace import Namespace
 
 
@@ -118,6 +118,10 @@ class TierFactory(Protocol):
     async def nvme(
         self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: NvmeTierConfig
     ) -> RecoverableTier: ...
+
+    async def remote(
+        self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: RemoteTierConfig
+    ) -> RemoteTier: ...
 
 
 class RemoteTierStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -16,6 +16,10 @@ decides (residency, tenants, which slots, which victims) and returns plans; this
 carries them out on the tier drivers — the data plane — under the scheduler's gates and
 budgets, and reports each outcome back. Every exit path, failure or cancellation, reports
 too, so the indexes are consistent at every ``await``.
+
+With a remote tier (``[remote]``), lookups count chunks it likely holds, loads promote
+them into cpu like nvme chunks, stores reach it per write policy, and background probes
+(batched ``EXISTS``) tell the residency hint what other engines stored.
 """
 
 from __future__ import annotations
@@ -41,8 +45,17 @@ from tiered_kv.arguments import (
     require_request_id,
 )
 from tiered_kv.checks import is_int_at_least
-from tiered_kv.config import NvmeTierConfig, TieredKVConfig
-from tiered_kv.control import ControlPlane, NvmeWrite, Pool, Promotion, PromotionOutcome, StoreGroup
+from tiered_kv.config import NvmeTierConfig, RemoteTierConfig, TieredKVConfig, WritePolicy
+from tiered_kv.control import (
+    ControlPlane,
+    NvmeWrite,
+    Pool,
+    Promotion,
+    PromotionOutcome,
+    RemotePromotion,
+    RemoteWrite,
+    StoreGroup,
+)
 from tiered_kv.directory import Victim
 from tiered_kv.errors import (
     BlockTableError,
@@ -54,7 +67,7 @@ from tiered_kv.errors import (
     TieredKVError,
     TierError,
 )
-from tiered_kv.interfaces import HostTier, RecoverableTier, TierDriver, TierFactory, TransferOp
+from tiered_kv.interfaces import HostTier, RecoverableTier, RemoteTier, TierDriver, TierFactory, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind
 from tiered_kv.log import get_logger
@@ -62,7 +75,7 @@ from tiered_kv.namespace import Namespace
 from tiered_kv.registry import TIERS
 from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler
 from tiered_kv.spans import cdiv, span_chunks, validate_window_span, window_span
-from tiered_kv.stats import KVEvent, Statistics
+from tiered_kv.stats import KVEvent, RemotePoolStatistics, Statistics
 from tiered_kv.telemetry import Telemetry
 
 log = get_logger("manager")
@@ -81,23 +94,30 @@ class StoreResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Drivers:
-    """The data plane of one pool: its cpu slab, maybe its nvme store, and each
-    registered rank's GPU tensors."""
+    """The data plane of one pool: its cpu slab, maybe its nvme store and remote tier,
+    and each registered rank's GPU tensors."""
 
-    __slots__ = ("cpu", "gpus", "nvme")
+    __slots__ = ("cpu", "gpus", "nvme", "remote")
 
-    def __init__(self, cpu: HostTier, nvme: RecoverableTier | None) -> None:
+    def __init__(self, cpu: HostTier, nvme: RecoverableTier | None, remote: RemoteTier | None = None) -> None:
         self.cpu = cpu
         self.nvme = nvme
+        self.remote = remote
         self.gpus: dict[int, TierDriver] = {}
+
+    def stores(self) -> list[TierDriver]:
+        """The drivers that keep chunks (all but the GPU ones)."""
+        return [self.cpu, *([self.nvme] if self.nvme else []), *([self.remote] if self.remote else [])]
 
 
 class _StoreJob:
     """One KV group's chunks of one store call being copied out of one rank's GPU blocks."""
 
-    def __init__(self, group: StoreGroup, rank: int, request_id: str) -> None:
+    def __init__(self, group: StoreGroup, namespace: Namespace, request_id: str) -> None:
         self.group = group
-        self.rank = rank
+        #: The namespace storing (the tenant the chunks belong to) and its rank.
+        self.namespace = namespace
+        self.rank = namespace.tp_rank
         self.request_id = request_id
         self.blocks = frozenset(block for _, blocks in group.chunks for block in blocks)
         self.started = False
@@ -112,6 +132,8 @@ class _LoadPlan:
     pool: Pool
     #: The fingerprint of the namespace loading: only its own chunks are staged.
     namespace: str
+    #: That namespace (the remote tier binds its chunks' names to it).
+    tenant: Namespace
     keys: list[ChunkKey]
     blocks: list[tuple[int, ...]]
     first_blocks: list[int]
@@ -127,6 +149,7 @@ class TieredKV:
         tiers: TierFactory | None = None,
         max_store_chunks: int = 4096,
         max_write_behind_chunks: int = 4096,
+        max_remote_write_chunks: int = 4096,
         copy_concurrency: int = 2,
         max_events: int = 65536,
         max_tenants: int = 1024,
@@ -137,6 +160,7 @@ class TieredKV:
         for name, value in (
             ("max_store_chunks", max_store_chunks),
             ("max_write_behind_chunks", max_write_behind_chunks),
+            ("max_remote_write_chunks", max_remote_write_chunks),
             ("copy_concurrency", copy_concurrency),
             ("max_events", max_events),
             ("max_tenants", max_tenants),
@@ -152,8 +176,8 @@ class TieredKV:
         #: Ranks registered per base namespace fingerprint.
         self._ranks: dict[str, set[int]] = {}
         self._registering = asyncio.Lock()
-        #: Loads waiting on each shared nvme → cpu promotion, by (pool, group, key).
-        self._promotion_claims: collections.Counter[tuple[str, int, ChunkKey]] = collections.Counter()
+        #: Loads waiting on each shared nvme/remote → cpu promotion, by (pool, group, key, namespace).
+        self._promotion_claims: collections.Counter[tuple[str, int, ChunkKey, str]] = collections.Counter()
         self._cpu_left = config.cpu.capacity_bytes
         self._nvme_left = config.nvme.capacity_bytes if config.nvme else 0
         self._scheduler = Scheduler()
@@ -162,6 +186,17 @@ class TieredKV:
         self._disk_gate = PriorityGate(config.nvme.io_depth if config.nvme else 1)
         self._store_budget = Budget(max_store_chunks, "store queue (chunks)")
         self._write_behind_budget = Budget(max_write_behind_chunks, "nvme write-behind queue (chunks)")
+        remote = config.remote
+        #: Remote calls at once (loads and probes first), and chunks queued to be written there.
+        self._remote_gate = PriorityGate(remote.io_depth if remote else 1)
+        self._remote_write_budget = Budget(max_remote_write_chunks, "remote write queue (chunks)")
+        #: Namespaces (tenants) seen lately, by fingerprint, at most ``4 × max_tenants``: the
+        #: remote tier's calls name the tenant, and a write-back spill or a probe knows only
+        #: its fingerprint. A tenant forgotten here is not spilled or probed for.
+        self._tenants: collections.OrderedDict[str, Namespace] = collections.OrderedDict()
+        self._max_known_tenants = 4 * max_tenants
+        #: Pools whose probe task is running.
+        self._probing: set[tuple[str, int]] = set()
         #: Store jobs still reading GPU blocks, by request.
         self._jobs: dict[str, set[_StoreJob]] = collections.defaultdict(set)
         self._loads_in_flight = 0
@@ -211,6 +246,9 @@ class TieredKV:
     def __repr__(self) -> str:
         tiers, _ = self._control.usage()
         usage = " ".join(f"{tier.tier}={tier.used_chunks}/{tier.capacity_chunks}" for tier in tiers)
+        hints = [pool.hint for pool in self._control.pools.values() if pool.hint is not None]
+        if hints:  # what the remote tier likely holds for us: a guess, hence the ~
+            usage += f" remote~{sum(map(len, hints))}"
         inflight = sum(map(len, self._jobs.values())) + self._loads_in_flight
         return f"<TieredKV {usage or 'unregistered'} inflight={inflight}>"
 
@@ -277,7 +315,7 @@ class TieredKV:
         try:
             for group in range(len(geometry.groups)):
                 opened.append(await self._open_drivers(base, group, cpu_slots, nvme_slots))
-            pools = self._control.add_pools(base, policy, cpu_slots, nvme_slots)
+            pools = self._control.add_pools(base, policy, cpu_slots, nvme_slots, self.config.remote)
             try:
                 for pool, drivers in zip(pools, opened, strict=True):
                     if drivers.nvme is not None:
@@ -287,9 +325,8 @@ class TieredKV:
                 raise
         except BaseException:
             for drivers in opened:
-                await drivers.cpu.close()
-                if drivers.nvme is not None:
-                    await drivers.nvme.close()
+                for driver in drivers.stores():
+                    await driver.close()
             raise
         # Committed only once every group's drivers are open: a failed registration leaves nothing.
         self._cpu_left -= cpu_budget
@@ -303,6 +340,7 @@ class TieredKV:
                 cpu_chunks=cpu_slots,
                 nvme_chunks=nvme_slots,
                 recovered=len(pool.nvme) if pool.nvme is not None else 0,
+                remote=drivers.remote is not None,
             )
         self._ranks[base.fingerprint_hex] = set()
 
@@ -318,15 +356,18 @@ class TieredKV:
 
     async def _open_drivers(self, base: Namespace, group: int, cpu_slots: int, nvme_slots: int) -> _Drivers:
         chunk_bytes = base.geometry.chunk_bytes(group)
-        cpu = self._tiers.cpu(base, group, chunk_bytes, cpu_slots)
-        if self.config.nvme is None or not nvme_slots:
-            return _Drivers(cpu, None)
+        drivers = _Drivers(self._tiers.cpu(base, group, chunk_bytes, cpu_slots), None)
         try:
-            nvme = await self._tiers.nvme(base, group, chunk_bytes, nvme_slots, self.config.nvme)
+            if self.config.nvme is not None and nvme_slots:
+                drivers.nvme = await self._tiers.nvme(base, group, chunk_bytes, nvme_slots, self.config.nvme)
+            remote = self.config.remote
+            if remote is not None:
+                drivers.remote = await self._tiers.remote(base, group, chunk_bytes, remote.hint_chunks, remote)
         except BaseException:
-            await cpu.close()
+            for driver in drivers.stores():
+                await driver.close()
             raise
-        return _Drivers(cpu, nvme)
+        return drivers
 
     def _take_budget(self, tier: str, wanted: int | None, left: int) -> int:
         if wanted is None:
@@ -346,12 +387,23 @@ class TieredKV:
         """How many leading chunks can be loaded now: every full-attention (and MLA) group
         holds chunks ``0 … n−1`` ready and every sliding-window group holds the chunks its
         window at ``n`` chunks overlaps. A chunk whose store is in flight is not a hit, nor
-        is one another namespace stored."""
+        is one another namespace stored.
+
+        A chunk the remote tier likely holds counts, without a network round trip: the
+        load may find it gone and then returns fewer tokens. Where the run stops at a
+        chunk no tier knows of, a background probe asks the remote tier about it and the
+        chunks after it, so a later lookup sees what other engines stored."""
         if self._closed or self._scheduler.fatal is not None:
             self._check()
         pools = self._pools_of(namespace)
         per_group(keys, len(pools), "keys", ChunkKeyError)
-        return self._control.lookup(namespace, keys)
+        found = self._control.lookup(namespace, keys)
+        if pools[0].hint is not None:
+            self._know_tenant(namespace)
+            for pool in pools:
+                if pool.hint is not None and pool.hint.probes_pending and pool.id not in self._probing:
+                    self._start_probes(pool)
+        return found
 
     # -- load --------------------------------------------------------------------------
     async def load(
@@ -384,7 +436,7 @@ class TieredKV:
             started = self._clock()
             try:
                 plans = [
-                    self._plan_load(pool, namespace.fingerprint_hex, k, b, num_tokens)
+                    self._plan_load(pool, namespace, k, b, num_tokens)
                     for pool, k, b in zip(pools, keys, tables, strict=True)
                 ]
                 for pool, plan in zip(pools, plans, strict=True):
@@ -403,6 +455,8 @@ class TieredKV:
                 )
                 return 0
             log.debug("load.started", namespace=pools[0].fingerprint, request_id=request_id, n_tokens=num_tokens)
+            if pools[0].hint is not None:
+                self._know_tenant(namespace)
             self._loads_in_flight += 1
             sources: collections.Counter[str] = collections.Counter()
             try:
@@ -420,13 +474,14 @@ class TieredKV:
                 n_tokens=loaded,
                 chunks_from_cpu=sources["cpu"],
                 chunks_from_nvme=sources["nvme"],
+                chunks_from_remote=sources["remote"],
                 ms=ms,
             )
             return loaded
 
     @staticmethod
     def _plan_load(
-        pool: Pool, namespace: str, keys: Sequence[ChunkKey], block_ids: Sequence[int], num_tokens: int
+        pool: Pool, namespace: Namespace, keys: Sequence[ChunkKey], block_ids: Sequence[int], num_tokens: int
     ) -> _LoadPlan:
         k, b = pool.blocks_per_chunk, pool.block_size
         if not is_int_at_least(num_tokens, 0):
@@ -460,7 +515,7 @@ class TieredKV:
             plan_blocks.append(tuple(pending[cursor : cursor + count]))
             firsts.append(first)
             cursor += count
-        return _LoadPlan(pool, namespace, plan_keys, plan_blocks, firsts)
+        return _LoadPlan(pool, namespace.fingerprint_hex, namespace, plan_keys, plan_blocks, firsts)
 
     async def _run_load(
         self, rank: int, plans: list[_LoadPlan], request_id: str, num_tokens: int, sources: collections.Counter[str]
@@ -471,7 +526,7 @@ class TieredKV:
         all or nothing, since a partial window is useless to the engine.
         """
         pinned: list[tuple[Pool, ChunkKey]] = []
-        pending: list[list[tuple[ChunkKey, asyncio.Task[bool] | None]]] = []
+        pending: list[list[tuple[ChunkKey, asyncio.Task[str | None] | None]]] = []
         try:
             pending += [self._start_stage(plan, pinned) for plan in plans]  # every promotion starts now
             staged = [
@@ -513,27 +568,36 @@ class TieredKV:
             for plan, steps in zip(plans, pending, strict=False):
                 for key, task in steps:
                     if task is not None:
-                        self._drop_claim(plan.pool, key, task)
+                        self._drop_claim(plan, key, task)
             for pool, key in pinned:
                 self._control.unpin(pool, key)
 
     def _start_stage(
         self, plan: _LoadPlan, pinned: list[tuple[Pool, ChunkKey]]
-    ) -> list[tuple[ChunkKey, asyncio.Task[bool] | None]]:
-        """The plan's leading chunks that some tier holds: those in cpu are pinned at once,
-        and a shared nvme → cpu promotion starts for each that only nvme holds."""
+    ) -> list[tuple[ChunkKey, asyncio.Task[str | None] | None]]:
+        """The plan's leading chunks that some tier holds (the remote tier: likely): those
+        in cpu are pinned at once, and a shared promotion into cpu starts for each of the
+        others."""
         pool = plan.pool
-        steps: list[tuple[ChunkKey, asyncio.Task[bool] | None]] = []
-        for key in plan.keys:
-            if pool.cpu.ready_for(key, plan.namespace):
+        namespace = plan.namespace
+        hint = pool.hint
+        steps: list[tuple[ChunkKey, asyncio.Task[str | None] | None]] = []
+        for i, key in enumerate(plan.keys):
+            if pool.cpu.ready_for(key, namespace):
                 self._control.pin(pool, key)
                 pinned.append((pool, key))
                 steps.append((key, None))
-            elif pool.nvme is not None and pool.nvme.ready_for(key, plan.namespace):
-                handle = (pool.fingerprint, pool.group, key)
+            elif (pool.nvme is not None and pool.nvme.ready_for(key, namespace)) or (
+                hint is not None and hint.likely(key, namespace)
+            ):
+                # Per namespace: a tenant's load never waits on, or is served by, a
+                # promotion of another tenant's chunk under the same key.
+                handle = (pool.fingerprint, pool.group, key, namespace)
+                # The chunk before it in the plan is its predecessor (a window's first: not known).
+                parent = plan.keys[i - 1] if i else None
                 task = self._scheduler.shared(
                     handle,
-                    functools.partial(self._promote, pool, key, plan.namespace),
+                    functools.partial(self._promote, pool, key, plan.tenant, parent),
                     name=f"promote-{key.hex()[:8]}",
                 )
                 self._promotion_claims[handle] += 1  # the promotion pins the chunk for each claim
@@ -545,7 +609,7 @@ class TieredKV:
     async def _finish_stage(
         self,
         plan: _LoadPlan,
-        steps: list[tuple[ChunkKey, asyncio.Task[bool] | None]],
+        steps: list[tuple[ChunkKey, asyncio.Task[str | None] | None]],
         pinned: list[tuple[Pool, ChunkKey]],
         sources: collections.Counter[str],
     ) -> list[int]:
@@ -555,37 +619,39 @@ class TieredKV:
         pool = plan.pool
         slots: list[int] = []
         for i, (key, task) in enumerate(steps):
+            tier = "cpu"
             if task is not None:
                 steps[i] = (key, None)
                 try:
                     promoted = await self._promoted(task)
                 except BaseException:
-                    self._drop_claim(pool, key, task)
+                    self._drop_claim(plan, key, task)
                     raise
-                if not promoted:
+                if promoted is None:
                     break
                 pinned.append((pool, key))
+                tier = promoted
             slots.append(pool.cpu.slot(key))
-            tier = "nvme" if task is not None else "cpu"
             self._telemetry.loaded[tier] += 1
             sources[tier] += 1
             if self._control.hit(pool, key):
-                self._write_behind(pool, [key])
+                self._write_behind(pool, [key], plan.tenant)
         return slots
 
-    def _drop_claim(self, pool: Pool, key: ChunkKey, task: asyncio.Task[bool]) -> None:
+    def _drop_claim(self, plan: _LoadPlan, key: ChunkKey, task: asyncio.Task[str | None]) -> None:
         """Give up a load's claim on a promotion: its pin if the chunk came in, else its
         place among the claims the promotion will pin for."""
+        pool = plan.pool
         if not task.done():
-            handle = (pool.fingerprint, pool.group, key)
+            handle = (pool.fingerprint, pool.group, key, plan.namespace)
             self._promotion_claims[handle] -= 1
             if self._promotion_claims[handle] <= 0:
                 del self._promotion_claims[handle]
-        elif not task.cancelled() and task.exception() is None and task.result():
+        elif not task.cancelled() and task.exception() is None and task.result() is not None:
             self._control.unpin(pool, key)
 
     @staticmethod
-    async def _promoted(task: asyncio.Task[bool]) -> bool:
+    async def _promoted(task: asyncio.Task[str | None]) -> str | None:
         """Wait for a shared promotion without letting this caller's cancellation cancel
         it for the others; a promotion cancelled by someone else (close) is a miss."""
         try:
@@ -593,22 +659,35 @@ class TieredKV:
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if task.cancelled() and current is not None and not current.cancelling():
-                return False
+                return None
             raise
 
-    async def _promote(self, pool: Pool, key: ChunkKey, namespace: str) -> bool:
-        """Read one chunk nvme → cpu, shared by every load that claimed it; True when it is
-        READY in cpu, pinned once for each claim, so that no eviction can take it between
-        this task's end and its loads' next steps."""
+    async def _promote(self, pool: Pool, key: ChunkKey, tenant: Namespace, parent: ChunkKey | None) -> str | None:
+        """Bring one chunk of ``tenant`` into cpu, from nvme or else the remote tier,
+        shared by every load that claimed it. The tier it came from (``cpu`` when it was
+        there already) once it is READY in cpu, pinned once for each claim, so that no
+        eviction can take it between this task's end and its loads' next steps; ``None``
+        when it could not come in."""
+        namespace = tenant.fingerprint_hex
+        source: str | None = None
         try:
-            plan = self._control.plan_promotion(pool, key, namespace)
-            promoted = plan if isinstance(plan, bool) else await self._read_into_cpu(plan)
+            plan: Promotion | RemotePromotion | bool = self._control.plan_promotion(pool, key, namespace)
+            if plan is False and pool.hint is not None:  # gone from nvme, or never there
+                plan = self._control.plan_remote_promotion(pool, key, namespace, parent)
+            if plan is True:
+                source = "cpu"
+            elif isinstance(plan, Promotion):
+                source = "nvme" if await self._read_into_cpu(plan) else None
+            elif isinstance(plan, RemotePromotion):
+                source = "remote" if await self._read_remote_into_cpu(plan, tenant) else None
         finally:
-            claims = self._promotion_claims.pop((pool.fingerprint, pool.group, key), 0)
-        if promoted:
+            claims = self._promotion_claims.pop((pool.fingerprint, pool.group, key, namespace), 0)
+        if source is not None:
             for _ in range(claims):
                 self._control.pin(pool, key)
-        return promoted
+        if source == "remote" and pool.policy.write_policy is WritePolicy.WRITE_THROUGH:
+            self._write_behind(pool, [key], tenant)  # local from now on: onto nvme too
+        return source
 
     async def _read_into_cpu(self, promotion: Promotion) -> bool:
         pool = promotion.pool
@@ -632,6 +711,30 @@ class TieredKV:
         if outcome is PromotionOutcome.DONE:
             log.debug("chunk.promoted", namespace=pool.fingerprint, key=promotion.key.hex(), src="nvme", dst="cpu")
         return outcome is PromotionOutcome.DONE
+
+    async def _read_remote_into_cpu(self, promotion: RemotePromotion, tenant: Namespace) -> bool:
+        """Read one chunk the remote tier likely holds into its reserved cpu slot; false
+        when the store has none (evicted, lost, corrupt: it deleted that one) or cannot
+        be reached, which the control plane's hint then learns."""
+        pool = promotion.pool
+        drivers = self._drivers[pool.id]
+        assert drivers.remote is not None
+        ok = False
+        try:
+            await self._spill(pool, promotion.evicted)
+            op = TransferOp(buffer=drivers.cpu.view(promotion.cpu_slot), key=promotion.key)
+            async with self._remote_gate.hold(LOAD_PRIORITY):
+                [ok] = await drivers.remote.read_each([op], namespace=tenant)
+        except TierError as exc:
+            self._transfer_failed("remote->cpu", pool, None, exc)
+        finally:
+            self._control.complete_remote_promotion(promotion, ok)
+        key = promotion.key.hex()
+        if ok:
+            log.debug("chunk.promoted", namespace=pool.fingerprint, key=key, src="remote", dst="cpu")
+        else:
+            log.info("chunk.missed", namespace=pool.fingerprint, key=key, tier="remote", reason="not in the store")
+        return ok
 
     # -- store -------------------------------------------------------------------------
     async def store(
@@ -711,8 +814,10 @@ class TieredKV:
                 self._store_budget.give(taken)
                 return StoreResult(submitted=0, skipped=plan.skipped, rejected=True)
             self._store_budget.give(taken - plan.submitted)
+            if plan.groups and plan.groups[0].pool.hint is not None:
+                self._know_tenant(namespace)
             for group in plan.groups:
-                job = _StoreJob(group, namespace.tp_rank, request_id)
+                job = _StoreJob(group, namespace, request_id)
                 self._jobs[request_id].add(job)
                 task = self._scheduler.spawn(self._run_store(job), name=f"store-{request_id}")
                 task.add_done_callback(functools.partial(self._store_finished, job))
@@ -751,7 +856,7 @@ class TieredKV:
             "store.done", namespace=pool.fingerprint, request_id=job.request_id, n_chunks=len(group.chunks), ms=ms
         )
         if write_through:
-            self._write_behind(pool, write_through)
+            self._write_behind(pool, write_through, job.namespace)
 
     def _store_finished(self, job: _StoreJob, task: asyncio.Task[None]) -> None:
         """Whatever became of a store's task, give back what its job holds. A task
@@ -765,21 +870,70 @@ class TieredKV:
             del self._jobs[job.request_id]
         self._store_budget.give(len(job.group.chunks))
 
-    # -- cpu → nvme --------------------------------------------------------------------
-    def _write_behind(self, pool: Pool, keys: list[ChunkKey]) -> None:
-        """Copy READY cpu chunks to nvme in the background, if the bounded queue has room."""
-        if pool.nvme is None or self._closed:
+    # -- cpu → nvme, cpu → remote -------------------------------------------------------
+    def _write_behind(self, pool: Pool, keys: list[ChunkKey], namespace: Namespace) -> None:
+        """Copy ``namespace``'s READY cpu chunks to nvme and to the remote tier (each the
+        pool has) in the background, as far as the bounded queues have room."""
+        if self._closed:
+            return
+        if pool.hint is not None:
+            self._write_remote(pool, keys, namespace)
+        if pool.nvme is None:
             return
         keys = [key for key in keys if key not in pool.nvme]
-        if not keys:
-            return
-        try:
-            self._write_behind_budget.take_nowait(len(keys))
-        except TieredKVError:
-            log.info("store.skipped", tier="nvme", namespace=pool.fingerprint, n_chunks=len(keys), reason="queue full")
+        if not keys or not self._take_room(self._write_behind_budget, "nvme", pool, len(keys)):
             return
         task = self._scheduler.spawn(self._copy_to_nvme(pool, keys), name="write-behind")
         task.add_done_callback(lambda _: self._write_behind_budget.give(len(keys)))
+
+    def _write_remote(self, pool: Pool, keys: list[ChunkKey], namespace: Namespace) -> None:
+        assert pool.hint is not None
+        fingerprint = namespace.fingerprint_hex
+        keys = [key for key in keys if not pool.hint.likely(key, fingerprint)]
+        if not keys or not self._take_room(self._remote_write_budget, "remote", pool, len(keys)):
+            return
+        task = self._scheduler.spawn(self._copy_to_remote(pool, keys, namespace), name="remote-write")
+        task.add_done_callback(lambda _: self._remote_write_budget.give(len(keys)))
+
+    async def _copy_to_remote(self, pool: Pool, keys: list[ChunkKey], namespace: Namespace) -> None:
+        """Write-through and selective: copy READY cpu chunks to the remote tier, pinned meanwhile."""
+        write = self._control.plan_remote_copy(pool, keys, namespace.fingerprint_hex)
+        if write is not None:
+            await self._write_remote_chunks(write, namespace)
+
+    async def _write_remote_chunks(self, write: RemoteWrite, namespace: Namespace) -> None:
+        """Run one planned cpu → remote copy and report what landed. A failure — server
+        gone, out of memory, timeout — drops the chunks there, never the cpu copies."""
+        drivers = self._drivers[write.pool.id]
+        assert drivers.remote is not None
+        ops = [TransferOp(buffer=drivers.cpu.view(slot), key=key) for key, slot in write.chunks]
+        landed = [False] * len(ops)
+        try:
+            async with self._remote_gate.hold(STORE_PRIORITY):
+                landed = await drivers.remote.write_each(ops, namespace=namespace)
+        except TierError as exc:
+            self._transfer_failed("cpu->remote", write.pool, None, exc)
+        finally:
+            self._control.complete_remote_write(write, landed)
+        if not all(landed):
+            log.info(
+                "store.skipped",
+                tier="remote",
+                namespace=write.pool.fingerprint,
+                n_chunks=landed.count(False),
+                reason="the store did not take them",
+            )
+
+    @staticmethod
+    def _take_room(queue: Budget, tier: str, pool: Pool, n: int) -> bool:
+        """Take room for ``n`` chunks in a bounded write queue; false (logged) when it is
+        full: then they are simply not written to ``tier``."""
+        try:
+            queue.take_nowait(n)
+        except TieredKVError:
+            log.info("store.skipped", tier=tier, namespace=pool.fingerprint, n_chunks=n, reason="queue full")
+            return False
+        return True
 
     async def _copy_to_nvme(self, pool: Pool, keys: list[ChunkKey]) -> None:
         """Write-through and selective: copy READY cpu chunks to nvme, pinned meanwhile."""
@@ -788,11 +942,33 @@ class TieredKV:
             await self._write_nvme(write)
 
     async def _spill(self, pool: Pool, evicted: list[Victim]) -> None:
-        """Write-back: copy chunks the cpu tier just evicted to nvme before their slots are
-        reused."""
+        """Write-back: copy chunks the cpu tier just evicted to nvme and to the remote tier
+        (both at once) before their slots are reused."""
+        if not evicted:
+            return
+        if pool.hint is None or pool.policy.write_policy is not WritePolicy.WRITE_BACK:
+            await self._spill_to_nvme(pool, evicted)
+            return
+        # Each plans when it starts: one cancelled before its first step leaves no plan.
+        await asyncio.gather(self._spill_to_nvme(pool, evicted), self._spill_to_remote(pool, evicted))
+
+    async def _spill_to_nvme(self, pool: Pool, evicted: list[Victim]) -> None:
         write = self._control.plan_spill(pool, evicted)
         if write is not None:
             await self._write_nvme(write)
+
+    async def _spill_to_remote(self, pool: Pool, evicted: list[Victim]) -> None:
+        """One write per namespace, of the chunks whose namespace this manager still knows,
+        as far as the remote write queue has room."""
+        known = [victim for victim in evicted if victim.namespace in self._tenants]
+        if not known or not self._take_room(self._remote_write_budget, "remote", pool, len(known)):
+            return
+        try:
+            writes = [(w, self._tenants[w.namespace]) for w in self._control.plan_remote_spill(pool, known)]
+            for write, tenant in writes:
+                await self._write_remote_chunks(write, tenant)
+        finally:
+            self._remote_write_budget.give(len(known))
 
     async def _write_nvme(self, write: NvmeWrite) -> None:
         """Run one planned cpu → nvme copy and report it; failed copies are dropped."""
@@ -813,6 +989,49 @@ class TieredKV:
             forget = self._control.complete_nvme_write(write, ok)
             if forget:
                 drivers.nvme.forget(forget)
+
+    # -- remote tier: tenants and probes -------------------------------------------------
+    def _know_tenant(self, namespace: Namespace) -> None:
+        tenants = self._tenants
+        fingerprint = namespace.fingerprint_hex
+        if fingerprint in tenants:
+            tenants.move_to_end(fingerprint)
+            return
+        tenants[fingerprint] = namespace
+        if len(tenants) > self._max_known_tenants:
+            tenants.popitem(last=False)
+
+    def _start_probes(self, pool: Pool) -> None:
+        self._probing.add(pool.id)
+        try:
+            self._scheduler.spawn(self._probe(pool), name="remote-probe")
+        except BaseException:
+            self._probing.discard(pool.id)
+            raise
+
+    async def _probe(self, pool: Pool) -> None:
+        """Ask the remote tier about the keys lookups queued, one batched ``EXISTS`` per
+        namespace at a time, until none is left; the hint learns each answer (a node that
+        cannot be asked answers "absent" until its entries expire)."""
+        hint, remote, config = pool.hint, self._drivers[pool.id].remote, self.config.remote
+        assert hint is not None and remote is not None and config is not None
+        try:
+            while probes := hint.take_probes(config.probe_batch):
+                by_namespace: dict[str, list[ChunkKey]] = {}
+                for key, namespace in probes:
+                    by_namespace.setdefault(namespace, []).append(key)
+                for namespace, keys in by_namespace.items():
+                    tenant = self._tenants.get(namespace)
+                    if tenant is None:
+                        continue
+                    async with self._remote_gate.hold(LOAD_PRIORITY):
+                        found = await remote.exists(keys, namespace=tenant)
+                    hint.note_present([key for key, yes in zip(keys, found, strict=True) if yes], namespace)
+                    hint.note_absent([key for key, yes in zip(keys, found, strict=True) if not yes], namespace)
+        except TierError as exc:
+            self._transfer_failed("probe", pool, None, exc)
+        finally:
+            self._probing.discard(pool.id)
 
     # -- request lifecycle -------------------------------------------------------------
     async def finish_request(self, request_id: str) -> None:
@@ -862,8 +1081,8 @@ class TieredKV:
         self._check()
 
     async def drain(self) -> None:
-        """Return once every background copy (stores, write-behind, promotions) is done
-        and every chunk stored so far is durable."""
+        """Return once every background copy (stores, write-behind, remote writes and
+        probes, promotions) is done and every chunk stored so far on nvme is durable."""
         self._check()
         await self._scheduler.drain()
         for drivers in list(self._drivers.values()):
@@ -874,24 +1093,42 @@ class TieredKV:
     # -- observation -------------------------------------------------------------------
     def statistics(self) -> Statistics:
         tiers, namespaces = self._control.usage()
+        queue_depths = {
+            "stores": self._store_budget.used,
+            "write_behind": self._write_behind_budget.used,
+            "loads": self._loads_in_flight,
+            "copies_waiting": self._gate.waiting,
+            "nvme_io_waiting": self._disk_gate.waiting,
+            "background_tasks": self._scheduler.background,
+        }
+        remote = []
+        for pool in self._control.pools.values():
+            driver = self._drivers[pool.id].remote if pool.id in self._drivers else None
+            if pool.hint is not None and driver is not None:
+                remote.append(
+                    RemotePoolStatistics(
+                        namespace=pool.fingerprint,
+                        model_id=pool.model_id,
+                        group=pool.group,
+                        driver=driver.remote_statistics(),
+                        hint=pool.hint.statistics(),
+                    )
+                )
+        if self.config.remote is not None:
+            queue_depths["remote_writes"] = self._remote_write_budget.used
+            queue_depths["remote_io_waiting"] = self._remote_gate.waiting
         return self._telemetry.statistics(
             tiers=tiers,
             namespaces=namespaces,
-            queue_depths={
-                "stores": self._store_budget.used,
-                "write_behind": self._write_behind_budget.used,
-                "loads": self._loads_in_flight,
-                "copies_waiting": self._gate.waiting,
-                "nvme_io_waiting": self._disk_gate.waiting,
-                "background_tasks": self._scheduler.background,
-            },
+            queue_depths=queue_depths,
             drivers=[driver.statistics() for driver in self._all_drivers()],
+            remote=remote,
         )
 
     def _all_drivers(self) -> list[TierDriver]:
         drivers: list[TierDriver] = []
         for pool in self._drivers.values():
-            drivers += [*pool.gpus.values(), pool.cpu] + ([pool.nvme] if pool.nvme else [])
+            drivers += [*pool.gpus.values(), *pool.stores()]
         return list(dict.fromkeys(drivers))
 
     def drain_events(self, max_events: int | None = None) -> list[KVEvent]:
@@ -918,7 +1155,7 @@ class TieredKV:
 
 
 class RegistryTiers:
-    """The default :class:`TierFactory`: the drivers registered as ``gpu``, ``cpu``, ``nvme``."""
+    """The default :class:`TierFactory`: the drivers registered as ``gpu``, ``cpu``, ``nvme``, ``remote``."""
 
     def gpu(self, namespace: Namespace, group: int, tensors: Sequence[torch.Tensor]) -> TierDriver:
         driver: TierDriver = TIERS.get("gpu")(tensors, blocks_per_chunk=namespace.geometry.blocks_per_chunk)  # type: ignore[operator]
@@ -935,4 +1172,11 @@ class RegistryTiers:
         driver: RecoverableTier = await opener(
             config.root, namespace, slot_bytes=slot_bytes, num_slots=num_slots, io_depth=config.io_depth, group=group
         )
+        return driver
+
+    async def remote(
+        self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: RemoteTierConfig
+    ) -> RemoteTier:
+        opener = TIERS.get("remote").open  # type: ignore[attr-defined]
+        driver: RemoteTier = await opener(config, namespace, slot_bytes=slot_bytes, num_slots=num_slots, group=group)
         return driver

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
+from typing import NoReturn
 
 import torch
 
-from tiered_kv.config import NvmeTierConfig
+from tiered_kv.config import NvmeTierConfig, RemoteTierConfig
 from tiered_kv.driver_base import DriverBase
-from tiered_kv.errors import TierIOError
+from tiered_kv.errors import ConfigError, TierIOError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.namespace import Namespace
@@ -86,3 +87,8 @@ class NullTiers:
         self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: NvmeTierConfig
     ) -> NullTier:
         return self._make("nvme", slot_bytes, num_slots)
+
+    async def remote(
+        self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: RemoteTierConfig
+    ) -> NoReturn:
+        raise ConfigError("null tiers have no remote tier", field="remote")

@@ -6,7 +6,8 @@ import enum
 
 import msgspec
 
-from tiered_kv.interfaces import TierStats
+from tiered_kv.interfaces import RemoteTierStats, TierStats
+from tiered_kv.remote_hint import ResidencyHintStats
 
 
 class TierUsage(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,6 +32,17 @@ class NamespaceUsage(msgspec.Struct, frozen=True, kw_only=True):
     quota_chunks: int
 
 
+class RemotePoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """One pool's remote tier: what its driver's ops came to and what its hint holds."""
+
+    #: The model runner's base namespace fingerprint (hex) and KV group.
+    namespace: str
+    model_id: str
+    group: int
+    driver: RemoteTierStats
+    hint: ResidencyHintStats
+
+
 #: Upper bounds (ms) of the load-latency histogram's buckets; one more bucket counts the rest.
 LOAD_LATENCY_BOUNDS_MS: tuple[float, ...] = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
 
@@ -53,27 +65,32 @@ class Statistics(msgspec.Struct, frozen=True, kw_only=True):
     #: Every namespace's share of every tier, per KV group.
     namespaces: list[NamespaceUsage]
     #: Chunk positions that lookups asked for, by result: ``hit_cpu`` (every KV group
-    #: holds the chunk in cpu), ``hit_nvme`` (some group needs it from nvme), ``miss``
-    #: (beyond the ready prefix). The hit rate is ``hit_* / sum``. Every lookup call
-    #: counts, so an engine that asks twice for a request counts its chunks twice.
+    #: holds the chunk in cpu), ``hit_nvme`` (some group needs it from nvme),
+    #: ``hit_remote`` (some group needs it from the remote tier, which likely holds it:
+    #: the load may find it gone), ``miss`` (beyond the ready prefix). The hit rate is
+    #: ``hit_* / sum``. Every lookup call counts, so an engine that asks twice for a
+    #: request counts its chunks twice.
     lookups: dict[str, int]
-    #: Chunks loads staged by source tier (``cpu``, or ``nvme`` for a promotion), counted
-    #: per KV group, also for a load that then returned fewer tokens (see ``loads_rejected``).
+    #: Chunks loads staged by source tier (``cpu``, or ``nvme`` or ``remote`` for a
+    #: promotion), counted per KV group, also for a load that then returned fewer tokens
+    #: (see ``loads_rejected``).
     loaded_chunks: dict[str, int]
     #: Time of each ``load`` call that reached its copies (rejected loads are not timed).
     load_latency: LatencyHistogram
-    #: Bytes moved per direction, e.g. ``"gpu->cpu"``.
+    #: Bytes moved per direction, e.g. ``"gpu->cpu"``, ``"cpu->remote"``, ``"remote->cpu"``.
     bytes_moved: dict[str, int]
     #: ``stores``: chunks submitted and not yet read from the GPU; ``write_behind``: chunks
     #: queued for nvme; ``loads``: loads in flight; ``copies_waiting`` and ``nvme_io_waiting``:
     #: copies waiting for a GPU copy slot or an nvme I/O slot; ``background_tasks``:
-    #: scheduler tasks.
+    #: scheduler tasks. With a remote tier also ``remote_writes`` (chunks queued for it)
+    #: and ``remote_io_waiting`` (calls waiting for one of its I/O slots).
     queue_depths: dict[str, int]
     #: Loads that returned fewer tokens than asked, by reason: ``span`` (a sliding-window
     #: span out of bounds: nothing loaded), ``block_table`` (a block id outside the
     #: registered cache: nothing loaded), ``transfer`` (a copy failed, or a chunk left
-    #: its tier between lookup and load: a full-attention model keeps the good prefix, a
-    #: hybrid one and a failed copy to the GPU load nothing).
+    #: its tier between lookup and load — for the remote tier: was evicted, lost, corrupt
+    #: or unreachable —: a full-attention model keeps the good prefix, a hybrid one and a
+    #: failed copy to the GPU load nothing).
     loads_rejected: dict[str, int]
     #: Stores refused whole because no tier had room (``cannot store now``).
     stores_rejected: int
@@ -81,6 +98,8 @@ class Statistics(msgspec.Struct, frozen=True, kw_only=True):
     events_dropped: int
     #: Every driver's own counters (ops, bytes, errors), gpu drivers once per rank.
     drivers: list[TierStats]
+    #: Per pool with a remote tier: its driver's outcomes and its residency hint.
+    remote: list[RemotePoolStatistics] = msgspec.field(default_factory=list)
 
 
 class KVEventKind(enum.StrEnum):

@@ -22,6 +22,7 @@ from tiered_kv.stats import (
     KVEventKind,
     LatencyHistogram,
     NamespaceUsage,
+    RemotePoolStatistics,
     Statistics,
     TierUsage,
 )
@@ -33,6 +34,7 @@ class Telemetry:
     def __init__(self, max_events: int) -> None:
         self.hit_cpu = 0
         self.hit_nvme = 0
+        self.hit_remote = 0
         self.missed = 0
         #: Chunks staged for loads, by source tier, per KV group.
         self.loaded: collections.Counter[str] = collections.Counter()
@@ -67,8 +69,14 @@ class Telemetry:
         namespaces: list[NamespaceUsage],
         queue_depths: dict[str, int],
         drivers: Iterable[TierStats],
+        remote: Iterable[RemotePoolStatistics] = (),
     ) -> Statistics:
-        lookups = {"hit_cpu": self.hit_cpu, "hit_nvme": self.hit_nvme, "miss": self.missed}
+        lookups = {
+            "hit_cpu": self.hit_cpu,
+            "hit_nvme": self.hit_nvme,
+            "hit_remote": self.hit_remote,
+            "miss": self.missed,
+        }
         return Statistics(
             tiers=tiers,
             namespaces=namespaces,
@@ -86,4 +94,5 @@ class Telemetry:
             stores_rejected=self.stores_rejected,
             events_dropped=self.events_dropped,
             drivers=list(drivers),
+            remote=list(remote),
         )

@@ -30,9 +30,8 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
 from tiered_kv.tiers._driver import check_buffer, in_threads, settle, shutdown, split, worker_pool
 from tiered_kv.tiers.nvme_format import MAX_KEY_BYTES, payload_checksum
 from tiered_kv.tiers.remote_format import (
@@ -53,6 +52,9 @@ from tiered_kv.interfaces import RemoteTierStats, RemoteUsage, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
+
+if TYPE_CHECKING:  # annotations only: inspecting a deployment loads no torch
+    import torch
 
 log = get_logger("remote")
 
@@ -395,52 +397,22 @@ class RemoteTier(DriverBase):
         """Keys and value bytes under this tier's prefix, per namespace fingerprint and
         group (every namespace's, not only this driver's), by ``SCAN`` over every node."""
         self._check_open()
-        call = _Call()
-        work = asyncio.ensure_future(in_threads(self._pool, self._walk, [(call,)]))
+        return await _usage(self._pool, self.nodes, self._prefix)
 
-        def abort() -> None:
-            call.abort()
-            work.cancel()
-
+    @classmethod
+    async def survey(cls, config: RemoteTierConfig) -> list[RemoteUsage]:
+        """:meth:`usage` of the deployment and prefix ``config`` names, without a driver
+        open on it (``tiered-kv inspect --remote``)."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-remote-survey")  # no torch: no worker_pool
+        nodes: Nodes | None = None
         try:
-            [totals] = await settle(work, abort)
-        except OSError as exc:
-            raise TierIOError(f"walking the key space: {exc!r}", tier=self.name) from exc
-        return [
-            RemoteUsage(fingerprint=fingerprint, group=group, keys=keys, bytes=nbytes)
-            for (fingerprint, group), (keys, nbytes) in sorted(totals.items())
-        ]
-
-    def _walk(self, call: _Call) -> dict[tuple[str, int], tuple[int, int]]:
-        """``(fingerprint, group) → (keys, bytes)`` over every node, in a driver thread."""
-        totals: dict[tuple[str, int], tuple[int, int]] = {}
-        pattern = namespace_pattern(self._prefix)
-        for node in self.nodes.primaries():
-            conn = self.nodes.connection(node)
-            call.use(conn)
-            try:
-                cursor = b"0"
-                while True:
-                    reply = conn.call("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)
-                    if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[1], list)):
-                        raise ProtocolError(f"SCAN answered {reply!r:.80}")
-                    names = [name for name in reply[1] if isinstance(name, bytes)]
-                    conn.send([command("STRLEN", name) for name in names])
-                    for name in names:
-                        length = conn.read_reply()
-                        where = _namespace_of(self._prefix, name)
-                        if where is not None and isinstance(length, int) and length > 0:
-                            keys, nbytes = totals.get(where, (0, 0))
-                            totals[where] = (keys + 1, nbytes + length)
-                    cursor = reply[0] if isinstance(reply[0], bytes) else b"0"
-                    if cursor == b"0":
-                        break
-            except OSError:
-                self.nodes.discard(conn)
-                raise
-            finally:
-                call.done(conn)
-        return totals
+            [settings] = await in_threads(pool, _settings, [(config,)])  # reads files: not on the loop
+            nodes = Nodes(config.addresses(), cluster=bool(config.cluster_nodes), settings=settings)
+            return await _usage(pool, nodes, config.prefix.encode())
+        finally:
+            await shutdown(pool)
+            if nodes is not None:
+                nodes.close_all()
 
     def remote_statistics(self) -> RemoteTierStats:
         with self._lock:
@@ -631,6 +603,56 @@ class RemoteTier(DriverBase):
             except _Oversized:
                 replies[j] = Outcome.CORRUPT  # deleted like any value that fails
                 raise
+
+
+async def _usage(pool: ThreadPoolExecutor, nodes: Nodes, prefix: bytes) -> list[RemoteUsage]:
+    call = _Call()
+    work = asyncio.ensure_future(in_threads(pool, _walk, [(nodes, prefix, call)]))
+
+    def abort() -> None:
+        call.abort()
+        work.cancel()
+
+    try:
+        [totals] = await settle(work, abort)
+    except OSError as exc:
+        raise TierIOError(f"walking the key space: {exc!r}", tier="remote") from exc
+    return [
+        RemoteUsage(fingerprint=fingerprint, group=group, keys=keys, bytes=nbytes)
+        for (fingerprint, group), (keys, nbytes) in sorted(totals.items())
+    ]
+
+
+def _walk(nodes: Nodes, prefix: bytes, call: _Call) -> dict[tuple[str, int], tuple[int, int]]:
+    """``(fingerprint, group) → (keys, bytes)`` under ``prefix`` over every node, in a driver thread."""
+    totals: dict[tuple[str, int], tuple[int, int]] = {}
+    pattern = namespace_pattern(prefix)
+    for node in nodes.primaries():
+        conn = nodes.connection(node)
+        call.use(conn)
+        try:
+            cursor = b"0"
+            while True:
+                reply = conn.call("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)
+                if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[1], list)):
+                    raise ProtocolError(f"SCAN answered {reply!r:.80}")
+                names = [name for name in reply[1] if isinstance(name, bytes)]
+                conn.send([command("STRLEN", name) for name in names])
+                for name in names:
+                    length = conn.read_reply()
+                    where = _namespace_of(prefix, name)
+                    if where is not None and isinstance(length, int) and length > 0:
+                        keys, nbytes = totals.get(where, (0, 0))
+                        totals[where] = (keys + 1, nbytes + length)
+                cursor = reply[0] if isinstance(reply[0], bytes) else b"0"
+                if cursor == b"0":
+                    break
+        except OSError:
+            nodes.discard(conn)
+            raise
+        finally:
+            call.done(conn)
+    return totals
 
 
 def _namespace_of(prefix: bytes, name: bytes) -> tuple[str, int] | None:

@@ -30,7 +30,7 @@ PATHS = ("cpu->remote", "remote->cpu")
 
 
 @contextlib.contextmanager
-def _server(url: str | None) -> Iterator[str | None]:
+def remote_server(url: str | None) -> Iterator[str | None]:
     """The URL to bench against, or ``None`` (with nothing started) when there is none."""
     if url is not None:
         yield url
@@ -49,7 +49,7 @@ def _server(url: str | None) -> Iterator[str | None]:
 
 async def remote_figures(args: argparse.Namespace, geometry: KVGeometry) -> list[TierFigure] | None:
     """The two rows for chunks of ``geometry``, or ``None`` when no server is at hand."""
-    with _server(args.remote_url) as url:
+    with remote_server(args.remote_url) as url:
         if url is None:
             return None
         return await _measure(url, geometry, args)

@@ -40,8 +40,8 @@ from tiered_kv.bench import SectionResult
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import ScaleCheck, ScaleFigures, ScaleSize
 from tiered_kv.cli_errors import UsageError
-from tiered_kv.config import CpuTierConfig, NvmeTierConfig, TieredKVConfig
-from tiered_kv.interfaces import HostTier, RecoverableTier, TierDriver, TierFactory, TransferOp
+from tiered_kv.config import CpuTierConfig, NvmeTierConfig, RemoteTierConfig, TieredKVConfig
+from tiered_kv.interfaces import HostTier, RecoverableTier, RemoteTier, TierDriver, TierFactory, TransferOp
 from tiered_kv.keys import KEY_BYTES
 from tiered_kv.layout import KVGeometry, KVGroup
 from tiered_kv.namespace import Namespace
@@ -185,6 +185,11 @@ class _TimedTiers:
         driver = await self.inner.nvme(namespace, group, slot_bytes, num_slots, config)
         self.nvme_s += time.perf_counter() - started
         return driver
+
+    async def remote(
+        self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int, config: RemoteTierConfig
+    ) -> RemoteTier:
+        return await self.inner.remote(namespace, group, slot_bytes, num_slots, config)
 
 
 def _config(root: Path, capacity: int) -> TieredKVConfig:

@@ -58,10 +58,41 @@ class WorkloadTrace(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     arrivals: bool = False
 
 
+class SharingRun(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The two-engine trace served by engines alone, or sharing a remote tier."""
+
+    #: ``alone`` or ``shared``.
+    mode: str
+    engines: int
+    requests: int
+    #: Each engine's tiers.
+    cpu_chunks: int
+    nvme_chunks: int
+    chunks_looked_up: int
+    #: Fraction of the looked-up chunk positions loaded from some tier.
+    hit_rate: float
+    #: Of the chunks loads staged (over every KV group), the fraction from each tier.
+    staged_from: dict[str, float]
+    tokens_from_cache: int
+    load_s: float
+    ttft_recompute_ms: float
+    ttft_cached_ms: float
+    ttft_speedup: float
+
+
+class SharingFigures(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    trace: str
+    runs: list[SharingRun]
+    #: Hit rate shared minus hit rate alone.
+    extra_hit_rate: float
+
+
 class WorkloadFigures(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str
     prefill_tokens_per_s: float
     traces: list[WorkloadTrace]
+    #: The two-engine trace; ``None`` when no valkey-server was at hand.
+    sharing: SharingFigures | None = None
 
 
 class OverheadFigures(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -17,6 +17,8 @@ honoured in the time to first token: one modelled prefill engine serves the requ
 arrival order, so a request also waits for those before it still being served, with and
 without the cache. The replay itself runs back to back: the modelled waits need no
 sleeping.
+
+Then the two-engine trace (:mod:`tiered_kv.bench.sharing`): what a shared remote tier buys.
 """
 
 from __future__ import annotations
@@ -120,10 +122,15 @@ class WorkloadSection:
             note="TTFT: mean per request; cached = measured load time + modelled recompute of the misses"
             + ("; arrivals from the trace: waits behind earlier requests included" if arrivals else ""),
         )
+        from tiered_kv.bench.sharing import TRACE, sharing_table, two_engine_figures  # it imports this module
+
+        progress.step(len(traces), len(traces), "two engines")
+        shared = TRACE if TRACE in traces else next(iter(traces))  # chat, or the trace file's
+        sharing = asyncio.run(two_engine_figures(shared, traces[shared], namespace, args))
         figures = WorkloadFigures(
-            model=namespace.model_id, prefill_tokens_per_s=args.prefill_tokens_per_s, traces=results
+            model=namespace.model_id, prefill_tokens_per_s=args.prefill_tokens_per_s, traces=results, sharing=sharing
         )
-        return SectionResult(payload=figures, tables=[table])
+        return SectionResult(payload=figures, tables=[table, sharing_table(sharing)])
 
 
 def mean_ttft_s(services: Sequence[float], arrivals: Sequence[float] | None) -> float:

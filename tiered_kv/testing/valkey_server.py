@@ -151,6 +151,15 @@ class ValkeyServer:
             self._process.send_signal(signal.SIGKILL)
             self._process.wait()
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections and answers nothing until :meth:`resume`."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()
