@@ -491,34 +491,67 @@ class ControlPlane:
             if len(set(copied)) != len(copied):
                 raise BlockTableError("a GPU block appears in two chunks to be stored")
             planned.append((pool, candidates))
+        return self._reserve_store(planned, parents, fingerprint, skipped, partial)
+
+    def _reserve_store(
+        self,
+        planned: list[tuple[Pool, list[tuple[ChunkKey, tuple[int, ...]]]]],
+        parents: dict[ChunkKey, ChunkKey | None],
+        fingerprint: str,
+        skipped: int,
+        partial: bool,
+    ) -> StorePlan:
         groups: list[StoreGroup] = []
-        for pool, candidates in planned:
-            chunks = candidates
-            if pool.admission is not None:
-                # Every chunk is a sighting; after one the filter turns away, the rest of the
-                # prefix would be unreachable, so none of it is stored.
-                admitted = [pool.admission.admit(key, parents[key]) for key, _ in candidates]
-                chunks = candidates[: admitted.index(False)] if False in admitted else candidates
-                skipped += len(candidates) - len(chunks)
-            if not chunks:
-                continue
-            owner = self.owner(pool, fingerprint)
-            reservation = pool.cpu.reserve((key for key, _ in chunks), owner, fingerprint, parents=parents)
-            if reservation is None and partial:
-                reservation, chunks = self._reserve_prefix(pool, chunks, owner, fingerprint, parents)
-                skipped += len(candidates) - len(chunks)
-            if reservation is None:
-                # Nothing has been copied yet: undo the other groups' reservations, their
-                # victims included, so that a rejected store changes nothing.
-                for done in groups:
-                    done.pool.cpu.unreserve(Reservation(done.slots, done.evicted))
-                self.telemetry.stores_rejected += 1
-                log.info("tier.full", tier="cpu", namespace=pool.fingerprint, n_chunks=len(chunks))
-                return StorePlan(groups=[], skipped=skipped, rejected=True)
-            groups.append(StoreGroup(pool, fingerprint, chunks, reservation.slots, reservation.evicted))
+        try:
+            for pool, candidates in planned:
+                group = self._reserve_group(pool, candidates, parents, fingerprint, partial)
+                if group is None:
+                    # Nothing has been copied yet: undo the other groups' reservations, their
+                    # victims included, so that a rejected store changes nothing.
+                    self._unreserve(groups)
+                    self.telemetry.stores_rejected += 1
+                    log.info("tier.full", tier="cpu", namespace=pool.fingerprint, n_chunks=len(candidates))
+                    return StorePlan(groups=[], skipped=skipped, rejected=True)
+                if group.chunks:
+                    groups.append(group)
+                skipped += len(candidates) - len(group.chunks)
+        except BaseException:
+            self._unreserve(groups)
+            raise
         for group in groups:  # only now: a rejected plan puts its victims back
             self._evicted(group.pool, "cpu", group.evicted)
         return StorePlan(groups=groups, skipped=skipped)
+
+    @staticmethod
+    def _unreserve(groups: list[StoreGroup]) -> None:
+        for group in groups:
+            group.pool.cpu.unreserve(Reservation(group.slots, group.evicted))
+
+    def _reserve_group(
+        self,
+        pool: Pool,
+        candidates: list[tuple[ChunkKey, tuple[int, ...]]],
+        parents: dict[ChunkKey, ChunkKey | None],
+        fingerprint: str,
+        partial: bool,
+    ) -> StoreGroup | None:
+        """One group's reservation of the chunks its admission filter lets through (all of
+        them, or with ``partial`` the longest prefix that fits); ``None`` when nothing fits."""
+        chunks = candidates
+        if pool.admission is not None:
+            # Every chunk is a sighting; after one the filter turns away, the rest of the
+            # prefix would be unreachable, so none of it is stored.
+            admitted = [pool.admission.admit(key, parents[key]) for key, _ in candidates]
+            chunks = candidates[: admitted.index(False)] if False in admitted else candidates
+        if not chunks:
+            return StoreGroup(pool, fingerprint, [], {}, [])
+        owner = self.owner(pool, fingerprint)
+        reservation = pool.cpu.reserve((key for key, _ in chunks), owner, fingerprint, parents=parents)
+        if reservation is None and partial:
+            reservation, chunks = self._reserve_prefix(pool, chunks, owner, fingerprint, parents)
+        if reservation is None:
+            return None
+        return StoreGroup(pool, fingerprint, chunks, reservation.slots, reservation.evicted)
 
     @staticmethod
     def _reserve_prefix(
@@ -580,7 +613,10 @@ class ControlPlane:
         reused (their bytes are still there; the slots now belong to PENDING chunks)."""
         if pool.policy.write_policy is not WritePolicy.WRITE_BACK or pool.nvme is None or not evicted:
             return None
-        return self._plan_nvme_write(pool, [victim for victim in evicted if victim.key not in pool.nvme], pinned=[])
+        # Victims go leaves first; nvme takes them ancestors first, so that each finds its
+        # predecessor there already (the index records only such predecessors).
+        spilled = [victim for victim in reversed(evicted) if victim.key not in pool.nvme]
+        return self._plan_nvme_write(pool, spilled, pinned=[])
 
     def _plan_nvme_write(self, pool: Pool, chunks: Sequence[Victim], pinned: list[ChunkKey]) -> NvmeWrite | None:
         """nvme slots in their owners' shares for chunks in cpu slots; chunks no share has

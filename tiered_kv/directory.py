@@ -178,19 +178,19 @@ class TierIndex:
         partition allows; ``None``, changing nothing, when there is no room.
 
         ``parents`` names each key's predecessor (the key of the previous chunk position of
-        its prompt, resident here or not); keys it leaves out start a prefix. A
-        predecessor is never evicted to make room for its successor, which would leave the
-        successor unreachable."""
+        its prompt); keys it leaves out start a prefix. A predecessor resident here is
+        never evicted to make room for its successor, which would leave the successor
+        unreachable, and is recorded as the successor's: only one resident *before* its
+        successor, so that the links only ever point back in time and cannot form a cycle,
+        whatever order a caller stores keys in (see :meth:`_occupy`)."""
         namespace = owner if namespace is None else namespace
         wanted = list(dict.fromkeys(keys))
         parent_of = (parents or {}).get
         for key in wanted:
             if key in self._slots:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
-            if parent_of(key) == key:
-                raise TieredKVError(f"{self.tier}: chunk {key.hex()} cannot be its own predecessor")
-        # The new chunks' predecessors stay, and with them every chunk before them.
-        kept = {parent for parent in map(parent_of, wanted) if parent is not None}
+        # The new chunks' resident predecessors stay, and with them every chunk before them.
+        kept = {parent for parent in map(parent_of, wanted) if parent is not None and parent in self._slots}
         protected = self._is_protected if not kept else lambda key: key in kept or self._is_protected(key)
         victims = self._partition.make_room(owner, len(wanted), protected, self._parent_of)
         if victims is None:
@@ -217,7 +217,9 @@ class TierIndex:
         recency start over."""
         for key in reservation.slots:
             self.drop(key)
-        for victim in reservation.evicted:
+        # Victims went leaves first: put them back ancestors first, so that each one's
+        # predecessor is resident again when it returns (see _occupy).
+        for victim in reversed(reservation.evicted):
             self.restore(victim.key, victim.slot, victim.owner, victim.namespace, victim.parent)
 
     def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
@@ -318,6 +320,10 @@ class TierIndex:
     def _occupy(
         self, key: ChunkKey, slot: int, owner: str, namespace: str, state: int, parent: ChunkKey | None
     ) -> None:
+        if parent is not None and parent not in self._slots:
+            # Not resident before this chunk: it cannot be the chunk's recorded predecessor
+            # (a link to it could later close a cycle, and a cycle is never evictable).
+            parent = None
         self._partition.insert(owner, key, parent)  # first: a bad parent changes nothing
         self._slots[key] = slot
         self._state[slot] = state
