@@ -370,7 +370,7 @@ async def test_replicated_ranks_share_one_copy() -> None:
 async def test_registration_errors_are_typed() -> None:
     cfg = TieredKVConfig(cpu=config().cpu, namespaces={"other": NamespacePolicyConfig(cpu_bytes=CHUNK)})
     async with TieredKV(cfg, tiers=NullTiers()) as kv:
-        with pytest.raises(ConfigError, match="tensor lists"):
+        with pytest.raises(ConfigError, match="one list per KV group"):
             await kv.register(NS, [])
         await kv.register(NS, gpu_tensors())
         with pytest.raises(ConfigError, match="already registered"):

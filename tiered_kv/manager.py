@@ -175,7 +175,11 @@ class TieredKV:
         self._drivers: dict[tuple[str, int], _Drivers] = {}
         #: Ranks registered per base namespace fingerprint.
         self._ranks: dict[str, set[int]] = {}
-        self._registering = asyncio.Lock()
+        #: Pools being opened, by base namespace fingerprint: replicated ranks registering at
+        #: once share one opening, and a registration cancelled midway leaves it to finish.
+        self._opening: dict[str, asyncio.Task[None]] = {}
+        #: Pools opened per model across its tensor-parallel ranks (see _open_pools).
+        self._ranks_opened: collections.Counter[str] = collections.Counter()
         #: Loads waiting on each shared nvme/remote → cpu promotion, by (pool, group, key, namespace).
         self._promotion_claims: collections.Counter[tuple[str, int, ChunkKey, str]] = collections.Counter()
         self._cpu_left = config.cpu.capacity_bytes
@@ -228,6 +232,9 @@ class TieredKV:
         """Stop background copies, then close every driver, even after one fails to close;
         the first failure is raised once all are closed."""
         await self._scheduler.close()
+        # A registration still opening pools commits them (and so hands them over to be
+        # closed below) or fails and closes what it opened.
+        await asyncio.gather(*self._opening.values(), return_exceptions=True)
         failures: list[BaseException] = []
         for driver in self._all_drivers():
             try:
@@ -262,12 +269,14 @@ class TieredKV:
         """
         self._check()
         geometry = require_namespace(namespace).geometry
-        if len(kv_caches) != len(geometry.groups):
-            raise ConfigError(f"{len(kv_caches)} tensor lists for {len(geometry.groups)} KV groups", field="kv_caches")
+        per_group(kv_caches, len(geometry.groups), "kv_caches", ConfigError)
+        for group, tensors in enumerate(kv_caches):
+            if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() > 0 and len(t) > 0 for t in tensors):
+                raise ConfigError(f"group {group}: expected non-empty tensors [num_blocks, …]", field="kv_caches")
         base = namespace.base
-        async with self._registering:  # replicated ranks registering at once open one set of pools
-            if base.fingerprint_hex not in self._ranks:
-                await self._open_pools(base)
+        if base.fingerprint_hex not in self._ranks:
+            await self._pools_opened(base)
+        self._check()  # closed while the pools opened
         ranks = self._ranks[base.fingerprint_hex]
         if namespace.tp_rank in ranks:
             raise ConfigError(f"rank {namespace.tp_rank} of {namespace.model_id} is already registered")
@@ -276,7 +285,7 @@ class TieredKV:
             for group, tensors in enumerate(kv_caches):
                 try:
                     gpus.append(self._tiers.gpu(base, group, tensors))
-                except ValueError as exc:
+                except (ValueError, TypeError, IndexError, RuntimeError) as exc:
                     raise ConfigError(f"group {group}: {exc}", field="kv_caches") from exc
                 if gpus[-1].slot_bytes != geometry.block_bytes(group):
                     raise ConfigError(
@@ -295,14 +304,34 @@ class TieredKV:
             "namespace.registered", namespace=base.fingerprint_hex, model=namespace.model_id, rank=namespace.tp_rank
         )
 
+    async def _pools_opened(self, base: Namespace) -> None:
+        """Open ``base``'s pools, or wait for their opening by another registration. The
+        opening is shielded from the caller's cancellation: files and threads half opened
+        are never dropped; the pools are then there for the registration's retry."""
+        opening = self._opening.get(base.fingerprint_hex)
+        if opening is None:
+            opening = asyncio.ensure_future(self._open_pools(base))
+            self._opening[base.fingerprint_hex] = opening
+            opening.add_done_callback(functools.partial(self._opened, base.fingerprint_hex))
+        await asyncio.shield(opening)
+
+    def _opened(self, fingerprint: str, task: asyncio.Task[None]) -> None:
+        del self._opening[fingerprint]
+        if not task.cancelled():
+            task.exception()  # seen here too: a registration cancelled meanwhile will not see it
+
     async def _open_pools(self, base: Namespace) -> None:
         policy = self.config.policy_for(base.model_id)
         geometry = base.geometry
         all_groups_bytes = sum(geometry.chunk_bytes(g) for g in range(len(geometry.groups)))
-        cpu_budget = self._take_budget("cpu", policy.cpu_bytes, self._cpu_left)
+        # Budgets not configured are the capacity left, shared by the model's ranks still to
+        # come (each tensor-parallel rank of a layout that is not replicated has its own pools).
+        model = msgspec.structs.replace(base, tp_rank=0).fingerprint_hex
+        ranks_to_come = 1 if base.replicated else max(1, base.tp_size - self._ranks_opened[model])
+        cpu_budget = self._take_budget("cpu", policy.cpu_bytes, self._cpu_left, ranks_to_come)
         nvme_budget = 0
         if self.config.nvme is not None:
-            nvme_budget = self._take_budget("nvme", policy.nvme_bytes, self._nvme_left)
+            nvme_budget = self._take_budget("nvme", policy.nvme_bytes, self._nvme_left, ranks_to_come)
         # Every group holds the same number of chunks: a token chunk is cached in all of them.
         cpu_slots = cpu_budget // all_groups_bytes
         nvme_slots = nvme_budget // all_groups_bytes
@@ -343,6 +372,7 @@ class TieredKV:
                 remote=drivers.remote is not None,
             )
         self._ranks[base.fingerprint_hex] = set()
+        self._ranks_opened[model] += 1
 
     async def _restore(self, pool: Pool, recovered: dict[ChunkKey, int]) -> None:
         """A warm restart's chunks into the pool's nvme index, a batch at a time, giving the
@@ -369,9 +399,11 @@ class TieredKV:
             raise
         return drivers
 
-    def _take_budget(self, tier: str, wanted: int | None, left: int) -> int:
+    def _take_budget(self, tier: str, wanted: int | None, left: int, sharers: int) -> int:
+        """``wanted`` bytes of what is ``left``, or when not configured ``left``'s share
+        for one of ``sharers``."""
         if wanted is None:
-            return left
+            return left // sharers
         if wanted > left:
             raise ConfigError(f"{wanted} B of {tier} requested but only {left} B are unassigned", field=f"{tier}_bytes")
         return wanted
