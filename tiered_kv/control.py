@@ -328,8 +328,9 @@ class ControlPlane:
         others' is dropped (logged as ``quota.unavailable``): the tenant shares the rest.
 
         Shares are bounded (``max_tenants`` per pool): past the bound, tenants holding no
-        chunk lose their share, and if none does, the newcomer's chunks count in the
-        model's own share (logged as ``tenant.limit``); they stay the newcomer's to read.
+        chunk lose their share, and if none does, the newcomer's chunks count in one
+        overflow share without a quota (logged as ``tenant.limit``); they stay the
+        newcomer's to read.
         """
         owner = namespace
         if owner in pool.owners:
@@ -347,7 +348,7 @@ class ControlPlane:
                 pool.owners.discard(other)
             if not idle:
                 log.warning("tenant.limit", namespace=owner, pool=pool.fingerprint, max_tenants=self._max_tenants)
-                return pool.fingerprint
+                return self._overflow(pool)
         for index in indexes:
             quota = pool.policy.quota_chunks.get(index.tier, 0)
             try:
@@ -357,6 +358,16 @@ class ControlPlane:
                 index.partition.add_namespace(owner, pool.policy.policy)
         pool.owners.add(owner)
         return owner
+
+    def _overflow(self, pool: Pool) -> str:
+        """The share of the tenants past ``max_tenants``: a quota of none, so that their
+        traffic never takes the chunks another share holds under its quota (the model's
+        own among them)."""
+        overflow = f"{pool.fingerprint}:overflow"
+        for index in pool.indexes():
+            if overflow not in index.partition.namespaces():
+                index.partition.add_namespace(overflow, pool.policy.policy)
+        return overflow
 
     # -- lookup ------------------------------------------------------------------------
     def lookup(self, namespace: Namespace, keys: Sequence[Sequence[ChunkKey]]) -> int:
