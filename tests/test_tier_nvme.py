@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from conftest import make_namespace
@@ -81,6 +82,33 @@ async def test_a_reopened_store_serves_every_chunk_it_had(tmp_path: Path) -> Non
         assert torch.equal(await read_back(tier, s), data(s))
     [event] = [e for e in logs if e["event"] == "nvme.recovered"]
     assert (event["n_chunks"], event["dropped"]) == (SLOTS, 0)
+    await tier.close()
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["from the journal", "from a checkpoint"])
+async def test_a_chunk_written_as_not_restorable_is_served_now_but_not_after_a_reopen(
+    tmp_path: Path, compact: bool
+) -> None:
+    """A tenant's chunk (restorable=False): readable while the store is open, absent once
+    reopened, its slot free; the model's chunks beside it come back."""
+    tier = await open_store(tmp_path)
+    ops = [op(s, data(s)) for s in range(4)]
+    ops[1] = msgspec.structs.replace(ops[1], restorable=False)
+    await tier.write(ops)
+    assert torch.equal(await read_back(tier, 1), data(1))
+    await tier.sync()
+    if compact:
+        await tier.close()  # a clean close compacts the journal into a checkpoint
+        tier = await open_store(tmp_path)
+        assert tier.recovered() == {key(s): s for s in (0, 2, 3)}
+        await tier.close()
+    else:
+        tier._closed = True  # a crash: no compaction, the journal replays
+        await tier._release()
+    tier = await open_store(tmp_path)
+    assert tier.recovered() == {key(s): s for s in (0, 2, 3)}
+    with pytest.raises(CorruptChunk):
+        await read_back(tier, 1)
     await tier.close()
 
 

@@ -44,6 +44,9 @@ class TransferOp(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     blocks: tuple[int, ...] = ()
     #: gpu tier only: position of ``blocks[0]`` inside the chunk (sliding-window loads).
     first_block: int = 0
+    #: Persistent tiers: whether a reopened store brings the chunk back. A tenant's chunk
+    #: is not (a store reopened knows no tenants: it would hand the chunk to the model).
+    restorable: bool = True
 
 
 class TierStats(msgspec.Struct, frozen=True, kw_only=True):

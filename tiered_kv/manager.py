@@ -1006,8 +1006,16 @@ class TieredKV:
         """Run one planned cpu → nvme copy and report it; failed copies are dropped."""
         drivers = self._drivers[write.pool.id]
         assert drivers.nvme is not None
+        index, model = write.pool.nvme, write.pool.fingerprint
+        assert index is not None
         ops = [
-            TransferOp(buffer=drivers.cpu.view(cpu_slot), key=key, slot=nvme_slot)
+            TransferOp(
+                buffer=drivers.cpu.view(cpu_slot),
+                key=key,
+                slot=nvme_slot,
+                # A warm restart knows no tenants: only the model's own chunks come back.
+                restorable=index.namespace(key) == model,
+            )
             for key, cpu_slot, nvme_slot in write.chunks
         ]
         ok = False

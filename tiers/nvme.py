@@ -390,7 +390,7 @@ class NvmeTier(DriverBase):
         for op in ops:
             keys[op.slot * KEY_BYTES : (op.slot + 1) * KEY_BYTES] = op.key
             live[op.slot] = 1
-        commits.add(b"".join(write_record(op.slot, op.key) for op in ops), len(ops))
+        commits.add(b"".join(write_record(op.slot, op.key, op.restorable) for op in ops), len(ops))
         self._count(read=False, ops=len(ops), nbytes=nbytes)
 
     async def read(self, ops: Sequence[TransferOp]) -> None:

@@ -39,7 +39,9 @@ from tiered_kv.tiers.nvme_format import GroupFile, group_file
 from tiered_kv.log import get_logger
 
 FORMAT_VERSION = 1
-#: One record: slot, live (1: the slot holds key; 0: it holds nothing), key.
+#: One record: slot, live (1: the slot holds key; 2: it holds key until the process ends,
+#: and a reopened store does not bring it back — a tenant's chunk, see TransferOp.restorable;
+#: 0: it holds nothing), key.
 RECORD = np.dtype([("slot", "<u4"), ("live", "u1"), ("pad", "V3"), ("key", "V16")])
 #: The most slots a slot map addresses (a slot is a 32-bit field).
 MAX_SLOTS = 2**32 - 1
@@ -67,9 +69,10 @@ _STEP = 1 << 14
 log = get_logger("nvme")
 
 
-def write_record(slot: int, key: bytes) -> bytes:
-    """The journal record of ``key`` written to ``slot``."""
-    return _RECORD.pack(slot, 1, key)
+def write_record(slot: int, key: bytes, restorable: bool = True) -> bytes:
+    """The journal record of ``key`` written to ``slot`` (brought back on reopen, unless
+    not ``restorable``)."""
+    return _RECORD.pack(slot, 1 if restorable else 2, key)
 
 
 def forget_record(slot: int) -> bytes:
@@ -309,7 +312,7 @@ def replay(records: np.ndarray, num_slots: int) -> SlotMap:
     """The live entries of ``records`` applied in order (a slot's last record wins) in a
     tier of ``num_slots`` slots, one slot per key."""
     slots, live, keys = records["slot"], records["live"], records["key"]
-    listed = int(np.count_nonzero(live))
+    listed = int(np.count_nonzero(live == 1))
     if len(slots) > 1 and not bool(np.all(slots[1:] > slots[:-1])):  # not a checkpoint's ascending list
         last = np.full(num_slots, -1, dtype=np.int64)
         inside = np.flatnonzero(slots < num_slots)
