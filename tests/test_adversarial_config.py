@@ -18,7 +18,6 @@ capacity (a 1 TiB budget of 4 KiB chunks is 2 TiB of disk).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -105,20 +104,3 @@ async def test_a_config_field_of_the_wrong_type_is_a_config_error(tmp_path: Path
     except ConfigError:
         return
     pytest.fail(f"accepted: {config!r}")
-
-
-def slots_files(root: Path) -> list[Path]:
-    return list(root.rglob("*.slots"))
-
-
-async def test_the_nvme_tier_stays_within_its_configured_capacity_on_disk(tmp_path: Path) -> None:
-    capacity = CHUNK * 32
-    config = TieredKVConfig(
-        cpu=CpuTierConfig(capacity_bytes=CHUNK * 8), nvme=NvmeTierConfig(root=str(tmp_path), capacity_bytes=capacity)
-    )
-    async with TieredKV(config) as kv:
-        await kv.register(NS, [engine_cache(64)])
-        nvme = {tier.tier: tier for tier in kv.statistics().tiers}["nvme"]
-        on_disk = sum(os.stat(path).st_size for path in slots_files(tmp_path))
-        assert nvme.capacity_bytes <= capacity
-        assert on_disk <= capacity, f"{on_disk} B of slots files for a {capacity} B nvme tier"

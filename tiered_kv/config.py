@@ -73,6 +73,8 @@ class CpuTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class NvmeTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     #: Root directory; each namespace gets an owner-only subdirectory below it.
     root: str
+    #: Bytes of chunk payload. On disk each slot also takes a 4 KiB header and rounds up to
+    #: whole 4 KiB pages: leave that room (about 4 KiB per chunk) on the filesystem.
     capacity_bytes: int
     #: I/Os in flight per slot file (the nvme driver's threads), and nvme calls the
     #: manager lets run at once over all of them (loads first).
