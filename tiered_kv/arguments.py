@@ -34,8 +34,12 @@ def require_request_id(value: object) -> str:
 def per_group(value: object, groups: int, what: str, error: type[TieredKVError]) -> Sequence[Sequence[Any]]:
     """``value`` as one sequence per KV group: ``groups`` sequences (none of them a string
     or bytes, which are sequences too)."""
-    if type(value) is list and len(value) == groups and all(type(item) is list for item in value):
-        return value  # the common case, without the cost of the ABC checks below
+    if type(value) is list and len(value) == groups:  # the common case, without the ABC checks below
+        if groups == 1:
+            if type(value[0]) is list:
+                return value
+        elif all(type(item) is list for item in value):
+            return value
     if not _is_sequence(value):
         raise error(f"{what} must be one list per KV group ({groups}), got {type(value).__name__}")
     if len(value) != groups or not all(_is_sequence(item) for item in value):

@@ -117,11 +117,14 @@ class Pool:
         tier: likely), from the first, how many of those only nvme holds and how many only
         the remote tier (the lookup hot path). A key no tier holds ends the run; it and the
         unknown keys after it are queued for a remote probe."""
+        start = self.cpu.ready_run(keys, namespace, 0, n)
+        if start == n:
+            return n, 0, 0  # all in cpu: the common case of a hot prefix
         in_cpu = self.cpu.ready_for
         in_nvme = self.nvme.ready_for if self.nvme is not None else None
         hint = self.hint
         from_nvme = from_remote = 0
-        for i in range(n):
+        for i in range(start, n):
             key = keys[i]
             if in_cpu(key, namespace):
                 continue
@@ -316,7 +319,7 @@ class ControlPlane:
 
     def pools_of(self, namespace: Namespace) -> list[Pool]:
         """The pools of ``namespace``'s model runner, one per KV group."""
-        pools = self._by_base.get(require_namespace(namespace).base.fingerprint_hex)
+        pools = self._by_base.get(require_namespace(namespace).base_fingerprint_hex)
         if pools is None:
             raise NamespaceError(f"namespace {namespace.model_id} is not registered")
         return pools
@@ -370,11 +373,15 @@ class ControlPlane:
         return overflow
 
     # -- lookup ------------------------------------------------------------------------
-    def lookup(self, namespace: Namespace, keys: Sequence[Sequence[ChunkKey]]) -> int:
+    def lookup(
+        self, namespace: Namespace, keys: Sequence[Sequence[ChunkKey]], pools: list[Pool] | None = None
+    ) -> int:
         """How many leading chunks ``namespace`` can load now: every full-attention (and
         MLA) group holds chunks ``0 … n−1`` ready and every sliding-window group holds the
-        chunks its window at ``n`` chunks overlaps. The caller checked ``keys``' shape."""
-        pools = self.pools_of(namespace)
+        chunks its window at ``n`` chunks overlaps. The caller checked ``keys``' shape
+        (and may pass the namespace's ``pools`` it looked up already)."""
+        if pools is None:
+            pools = self.pools_of(namespace)
         owner = namespace.fingerprint_hex
         try:
             if len(pools) == 1 and pools[0].kind is not AttentionKind.SLIDING_WINDOW:

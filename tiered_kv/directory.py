@@ -151,6 +151,17 @@ class TierIndex:
         slot = self._slots.get(key)
         return slot is not None and self._state[slot] == READY and self._namespace[slot] == namespace
 
+    def ready_run(self, keys: Sequence[ChunkKey], namespace: str, start: int, stop: int) -> int:
+        """The first position in ``start … stop − 1`` whose key is not READY for
+        ``namespace`` (``stop`` when all are): :meth:`ready_for` over a run, the lookup's
+        hot loop, with no call per key."""
+        slots, state, names = self._slots, self._state, self._namespace
+        for i in range(start, stop):
+            slot = slots.get(keys[i])
+            if slot is None or state[slot] != READY or names[slot] != namespace:
+                return i
+        return stop
+
     def state_for(self, key: ChunkKey, namespace: str) -> int:
         """``READY`` or ``PENDING`` for a chunk of ``namespace``; ``FREE`` for any other key."""
         slot = self._slots.get(key)

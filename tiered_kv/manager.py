@@ -175,6 +175,8 @@ class TieredKV:
         self._drivers: dict[tuple[str, int], _Drivers] = {}
         #: Ranks registered per base namespace fingerprint.
         self._ranks: dict[str, set[int]] = {}
+        #: The pools of each registered (base namespace fingerprint, rank).
+        self._registered: dict[tuple[str, int], list[Pool]] = {}
         #: Pools being opened, by base namespace fingerprint: replicated ranks registering at
         #: once share one opening, and a registration cancelled midway leaves it to finish.
         self._opening: dict[str, asyncio.Task[None]] = {}
@@ -300,6 +302,7 @@ class TieredKV:
         for group, gpu in enumerate(gpus):
             self._drivers[(base.fingerprint_hex, group)].gpus[namespace.tp_rank] = gpu
         ranks.add(namespace.tp_rank)
+        self._registered[(base.fingerprint_hex, namespace.tp_rank)] = self._control.pools_of(base)
         log.info(
             "namespace.registered", namespace=base.fingerprint_hex, model=namespace.model_id, rank=namespace.tp_rank
         )
@@ -409,10 +412,14 @@ class TieredKV:
         return wanted
 
     def _pools_of(self, namespace: Namespace) -> list[Pool]:
-        pools = self._control.pools_of(namespace)
-        if namespace.tp_rank not in self._ranks[pools[0].fingerprint]:
-            raise NamespaceError(f"namespace {namespace.model_id} rank {namespace.tp_rank} is not registered")
-        return pools
+        """``namespace``'s pools, once its rank registered (every call asks: one dict probe)."""
+        try:
+            return self._registered[(namespace.base_fingerprint_hex, namespace.tp_rank)]
+        except (KeyError, AttributeError):
+            self._control.pools_of(namespace)  # NamespaceError: not a Namespace, or not registered
+            raise NamespaceError(
+                f"namespace {namespace.model_id} rank {namespace.tp_rank} is not registered"
+            ) from None
 
     # -- lookup ------------------------------------------------------------------------
     def lookup(self, namespace: Namespace, keys: Sequence[Sequence[ChunkKey]]) -> int:
@@ -429,7 +436,7 @@ class TieredKV:
             self._check()
         pools = self._pools_of(namespace)
         per_group(keys, len(pools), "keys", ChunkKeyError)
-        found = self._control.lookup(namespace, keys)
+        found = self._control.lookup(namespace, keys, pools)
         if pools[0].hint is not None:
             self._know_tenant(namespace)
             for pool in pools:

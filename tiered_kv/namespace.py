@@ -150,6 +150,11 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     def fingerprint_hex(self) -> str:
         return self.fingerprint.hex()
 
+    @functools.cached_property
+    def base_fingerprint_hex(self) -> str:
+        """The fingerprint (hex) of :attr:`base`: the model runner whose tiers it shares."""
+        return self.base.fingerprint_hex
+
     @property
     def dir_name(self) -> str:
         """A directory name safe on any filesystem for any model id: ``<slug>-<fingerprint>``.
