@@ -373,9 +373,7 @@ class ControlPlane:
         return overflow
 
     # -- lookup ------------------------------------------------------------------------
-    def lookup(
-        self, namespace: Namespace, keys: Sequence[Sequence[ChunkKey]], pools: list[Pool] | None = None
-    ) -> int:
+    def lookup(self, namespace: Namespace, keys: Sequence[Sequence[ChunkKey]], pools: list[Pool] | None = None) -> int:
         """How many leading chunks ``namespace`` can load now: every full-attention (and
         MLA) group holds chunks ``0 … n−1`` ready and every sliding-window group holds the
         chunks its window at ``n`` chunks overlaps. The caller checked ``keys``' shape
@@ -463,6 +461,14 @@ class ControlPlane:
 
     def unpin(self, pool: Pool, key: ChunkKey) -> None:
         pool.cpu.unpin(key)
+
+    def hits(self, pool: Pool, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """:meth:`hit` on each of ``keys``: those the selective write policy now wants on nvme."""
+        counts = pool.cpu.hit_many(keys)
+        if pool.policy.write_policy is not WritePolicy.SELECTIVE:
+            return []
+        wanted = pool.policy.selective_hits
+        return [key for key, count in zip(keys, counts, strict=True) if count >= wanted]
 
     def hit(self, pool: Pool, key: ChunkKey) -> bool:
         """Count a load's hit on a cpu chunk; True when the selective write policy now

@@ -319,6 +319,58 @@ class TierIndex:
         self._pins[slot] = pins + 1
         return slot
 
+    def pin_ready_run(self, keys: Sequence[ChunkKey], namespace: str) -> int:
+        """Pin the leading run of ``keys`` READY for ``namespace``; how many (a load's
+        chunks already in cpu, in one call)."""
+        n = self.ready_run(keys, namespace, 0, len(keys))
+        slots, pins = self._slots, self._pins
+        for i in range(n):
+            slot = slots[keys[i]]
+            count = pins[slot]
+            if count >= _MAX_COUNT:
+                for undo in range(i):
+                    self.unpin(keys[undo])
+                raise TieredKVError(f"{self.tier}: chunk {keys[i].hex()} has {count} pins already")
+            if not count:
+                self._pinned += 1
+            pins[slot] = count + 1
+        return n
+
+    def slots_of(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """The slots of resident ``keys``, in order."""
+        slots = self._slots
+        try:
+            return [slots[key] for key in keys]
+        except KeyError as exc:
+            raise TieredKVError(f"{self.tier}: chunk {exc.args[0].hex()} is not resident") from None
+
+    def unpin_many(self, keys: Iterable[ChunkKey]) -> None:
+        slots, pins = self._slots, self._pins
+        for key in keys:
+            slot = slots.get(key)
+            if slot is None or pins[slot] <= 0:
+                raise TieredKVError(f"{self.tier}: chunk {key.hex()} is not pinned")
+            pins[slot] -= 1
+            if not pins[slot]:
+                self._pinned -= 1
+
+    def hit_many(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """:meth:`hit` on each of ``keys`` (READY, in order); their new hit counts."""
+        slots, hits, other = self._slots, self._hits, self._other_owner
+        names = self._namespace
+        touch = self._partition.touch
+        counts = []
+        for key in keys:
+            slot = slots[key]
+            owner = other.get(slot) or names[slot]
+            assert owner is not None
+            touch(owner, key)
+            if hits is not None:
+                count = min(hits[slot] + 1, _MAX_COUNT)
+                hits[slot] = count
+                counts.append(count)
+        return counts
+
     def unpin(self, key: ChunkKey) -> None:
         slot = self._require(key)
         pins = self._pins[slot]

@@ -417,9 +417,7 @@ class TieredKV:
             return self._registered[(namespace.base_fingerprint_hex, namespace.tp_rank)]
         except (KeyError, AttributeError):
             self._control.pools_of(namespace)  # NamespaceError: not a Namespace, or not registered
-            raise NamespaceError(
-                f"namespace {namespace.model_id} rank {namespace.tp_rank} is not registered"
-            ) from None
+            raise NamespaceError(f"namespace {namespace.model_id} rank {namespace.tp_rank} is not registered") from None
 
     # -- lookup ------------------------------------------------------------------------
     def lookup(self, namespace: Namespace, keys: Sequence[Sequence[ChunkKey]]) -> int:
@@ -608,8 +606,8 @@ class TieredKV:
                 for key, task in steps:
                     if task is not None:
                         self._drop_claim(plan, key, task)
-            for pool, key in pinned:
-                self._control.unpin(pool, key)
+            for pool, keys in itertools.groupby(pinned, key=lambda pinned_key: pinned_key[0]):
+                pool.cpu.unpin_many(key for _, key in keys)
 
     def _start_stage(
         self, plan: _LoadPlan, pinned: list[tuple[Pool, ChunkKey]]
@@ -620,8 +618,11 @@ class TieredKV:
         pool = plan.pool
         namespace = plan.namespace
         hint = pool.hint
-        steps: list[tuple[ChunkKey, asyncio.Task[str | None] | None]] = []
-        for i, key in enumerate(plan.keys):
+        in_cpu = pool.cpu.pin_ready_run(plan.keys, namespace)  # the usual case: all of them
+        pinned += [(pool, key) for key in plan.keys[:in_cpu]]
+        steps: list[tuple[ChunkKey, asyncio.Task[str | None] | None]] = [(key, None) for key in plan.keys[:in_cpu]]
+        for i in range(in_cpu, len(plan.keys)):
+            key = plan.keys[i]
             if pool.cpu.ready_for(key, namespace):
                 self._control.pin(pool, key)
                 pinned.append((pool, key))
@@ -656,6 +657,14 @@ class TieredKV:
         slots of the leading chunks that are staged, in order. A step whose claim this
         settles is marked done in ``steps``."""
         pool = plan.pool
+        if all(task is None for _, task in steps):  # all in cpu, pinned: no await, one call each
+            keys = [key for key, _ in steps]
+            self._telemetry.loaded["cpu"] += len(keys)
+            sources["cpu"] += len(keys)
+            selective = self._control.hits(pool, keys)
+            if selective:
+                self._write_behind(pool, selective, plan.tenant)
+            return pool.cpu.slots_of(keys)
         slots: list[int] = []
         for i, (key, task) in enumerate(steps):
             tier = "cpu"
