@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from tiered_kv.policies._checks import check_capacity
-
 from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import PolicyError
 from tiered_kv.keys import ChunkKey
+from tiered_kv.policies._checks import check_capacity
 
 
 class SeenK:

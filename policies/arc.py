@@ -26,11 +26,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import cast
 
+from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
 from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
-
-from tiered_kv.keys import ChunkKey
 
 #: Where a key lives, for parking: T1 (seen once recently) or T2 (seen at least twice).
 _T1, _T2 = 1, 2

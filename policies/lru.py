@@ -8,10 +8,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import cast
 
+from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import check_capacity, check_count, duplicate
 from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
-
-from tiered_kv.keys import ChunkKey
 
 #: Marks "not in the order" where a predecessor (a key or ``None``) is expected.
 _ABSENT = cast("ChunkKey | None", object())

@@ -21,10 +21,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable
 
-from tiered_kv.policies._checks import missing
-
 from tiered_kv.errors import PolicyError
 from tiered_kv.keys import ChunkKey
+from tiered_kv.policies._checks import missing
 
 #: ``release(key, place, parent)``: put a parked key back at the old end of list ``place``.
 Release = Callable[[ChunkKey, int, "ChunkKey | None"], None]

@@ -19,11 +19,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
 from tiered_kv.policies.prefix import PrefixLinks, Victims
-
-from tiered_kv.keys import ChunkKey
 
 #: State bit: the key lives in the main queue (else in the small one).
 _MAIN = 4

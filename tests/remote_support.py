@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import torch
 from conftest import make_namespace
-from tiered_kv.tiers.remote import RemoteTier
 
 from tiered_kv.config import RemoteTierConfig
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.namespace import Namespace
 from tiered_kv.testing.tiers import chunk_data
 from tiered_kv.testing.valkey_server import ValkeyCluster, ValkeyServer, missing
+from tiered_kv.tiers.remote import RemoteTier
 
 MISSING = missing()
 #: Marks a module whose tests need a real valkey-server.

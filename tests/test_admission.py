@@ -6,11 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiered_kv.policies import LRU, AdaptiveSeenK, SeenK
-from tiered_kv.policies.adaptive_admission import OBSERVED_ONE_IN
 
 from tiered_kv.errors import PolicyError
 from tiered_kv.interfaces import AdmissionFilter
+from tiered_kv.policies import LRU, AdaptiveSeenK, SeenK
+from tiered_kv.policies.adaptive_admission import OBSERVED_ONE_IN
 from tiered_kv.policy_factory import make_admission_filter
 from tiered_kv.registry import ADMISSION_FILTERS
 from tiered_kv.testing import chunk_key

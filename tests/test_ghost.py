@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from tiered_kv.policies.ghost import GhostQueue
-
 from tiered_kv.testing import chunk_key
 
 

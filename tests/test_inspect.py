@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import make_namespace
-from tiered_kv.tiers.nvme import NvmeTier
-from tiered_kv.tiers.nvme_format import HEADER_BYTES
-from tiered_kv.tiers.nvme_journal import Identity, encode_checkpoint, encode_frame, write_record
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
 from tiered_kv.cli import main
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.registry import TIERS
+from tiered_kv.tiers.nvme import NvmeTier
+from tiered_kv.tiers.nvme_format import HEADER_BYTES
+from tiered_kv.tiers.nvme_journal import Identity, encode_checkpoint, encode_frame, write_record
 
 SLOT = 3 * 4096
 SLOTS = 6

@@ -13,13 +13,13 @@ import pytest
 from conftest import make_namespace
 from remote_support import chunks, ops, remote_config, requires_valkey, valkey
 from test_inspect import hybrid
-from tiered_kv.tiers.remote import RemoteTier
-from tiered_kv.tiers.remote_format import header_bytes
 
 from tiered_kv.cli import main
 from tiered_kv.inspection import RemoteInspection
 from tiered_kv.interfaces import RemoteUsage
 from tiered_kv.testing.valkey_server import ValkeyServer, free_port
+from tiered_kv.tiers.remote import RemoteTier
+from tiered_kv.tiers.remote_format import header_bytes
 
 pytestmark = requires_valkey
 __all__ = ["valkey"]  # fixture

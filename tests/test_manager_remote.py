@@ -24,7 +24,6 @@ from conftest import make_namespace
 from remote_support import remote_config, requires_valkey, valkey
 from structlog.testing import capture_logs
 from test_manager_data import engine_cache
-from tiered_kv.tiers.remote_format import key_name
 
 from tiered_kv import (
     AttentionKind,
@@ -44,6 +43,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.namespace import Namespace
 from tiered_kv.stats import KVEventKind
 from tiered_kv.testing.valkey_server import ValkeyServer, free_port
+from tiered_kv.tiers.remote_format import key_name
 
 pytestmark = requires_valkey
 __all__ = ["valkey"]  # fixture

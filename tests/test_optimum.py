@@ -10,10 +10,10 @@ from functools import cache
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiered_kv.policies import ARC, LRU, S3FIFO, SeenK
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.optimum import compulsory_bound, offline_optimum
+from tiered_kv.policies import ARC, LRU, S3FIFO, SeenK
 from tiered_kv.traces import TraceRequest, distinct_chunks, replay, standard_traces
 
 

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_manager_control import config, open_harness
-from tiered_kv.policies import LRU
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.optimum import compulsory_bound
 from tiered_kv.peers import PEERS, replay_peer
 from tiered_kv.planner import Candidate, candidates, capacity_grid, make_plan
+from tiered_kv.policies import LRU
 from tiered_kv.trace_file import parse_lines
 from tiered_kv.trace_recorder import TraceRecorder
 from tiered_kv.traces import TraceRequest, distinct_chunks, replay, standard_traces

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from tiered_kv.policies import ARC, LRU, S3FIFO
 
+from tiered_kv.policies import ARC, LRU, S3FIFO
 from tiered_kv.registry import POLICIES
 from tiered_kv.testing import CachePolicyContract, chunk_key, policy_state_machine
 from tiered_kv.testing.policies import drain, never

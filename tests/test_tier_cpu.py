@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiered_kv.tiers._driver import PAGE
-from tiered_kv.tiers.pinned_cpu import PinnedCpuTier, aligned_empty
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.testing import TierDriverContract
+from tiered_kv.tiers._driver import PAGE
+from tiered_kv.tiers.pinned_cpu import PinnedCpuTier, aligned_empty
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

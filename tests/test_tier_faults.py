@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_namespace
-from tiered_kv.tiers.gpu import GpuTier
-from tiered_kv.tiers.nvme import NvmeTier
-from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 from tiered_kv.errors import CorruptChunk, TierError, TierFullError, TierIOError
 from tiered_kv.interfaces import TierDriver, TransferOp
 from tiered_kv.testing import FaultyTier
+from tiered_kv.tiers.gpu import GpuTier
+from tiered_kv.tiers.nvme import NvmeTier
+from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 CHUNK = 2 * 4096
 CHUNKS = 6

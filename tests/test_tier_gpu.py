@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiered_kv.tiers import gpu
-from tiered_kv.tiers.gpu import GpuTier, _runs, _stretches
-from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 from tiered_kv.errors import TierIOError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.testing import TierDriverContract
+from tiered_kv.tiers import gpu
+from tiered_kv.tiers.gpu import GpuTier, _runs, _stretches
+from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 BPC = 4  # blocks per chunk
 CHUNKS = 5

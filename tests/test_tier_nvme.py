@@ -19,12 +19,12 @@ import torch
 from conftest import make_namespace
 from nvme_snapshot import crash_copy
 from structlog.testing import capture_logs
-from tiered_kv.tiers.nvme import NvmeTier
-from tiered_kv.tiers.nvme_format import HEADER_BYTES, decode_namespace, encode_namespace
 
 from tiered_kv.errors import ChunkKeyError, CorruptChunk, CorruptStore, TierFullError, TierIOError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.namespace import Namespace
+from tiered_kv.tiers.nvme import NvmeTier
+from tiered_kv.tiers.nvme_format import HEADER_BYTES, decode_namespace, encode_namespace
 
 SLOT = 3 * 4096
 SLOTS = 6

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import make_namespace
-from tiered_kv.tiers.nvme import NvmeTier
 
 from tiered_kv.testing import TierDriverContract
+from tiered_kv.tiers.nvme import NvmeTier
 
 
 class TestNvmeContract(TierDriverContract):

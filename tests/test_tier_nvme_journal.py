@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nvme_snapshot import crash_copy
 from structlog.testing import capture_logs
-from tiered_kv.tiers.nvme import NvmeTier
-from tiered_kv.tiers.nvme_format import HEADER_BYTES
 
 from tiered_kv.errors import CorruptChunk, TierError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.namespace import Namespace
+from tiered_kv.tiers.nvme import NvmeTier
+from tiered_kv.tiers.nvme_format import HEADER_BYTES
 
 SLOT = 4096
 SLOTS = 8

@@ -17,10 +17,10 @@ import torch
 from conftest import make_namespace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiered_kv.tiers.nvme import NvmeTier
 
 from tiered_kv import TieredKVError, UnsafeStore
 from tiered_kv.interfaces import TransferOp
+from tiered_kv.tiers.nvme import NvmeTier
 
 SLOT = 4096
 NS = make_namespace()

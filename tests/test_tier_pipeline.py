@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 from conftest import make_namespace
-from tiered_kv.tiers.gpu import GpuTier
-from tiered_kv.tiers.nvme import NvmeTier
-from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 from tiered_kv.interfaces import TierDriver, TransferOp
 from tiered_kv.registry import TIERS
+from tiered_kv.tiers.gpu import GpuTier
+from tiered_kv.tiers.nvme import NvmeTier
+from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 
 def test_the_drivers_are_registered_as_tier_entry_points() -> None:

@@ -23,15 +23,15 @@ import torch
 from conftest import make_namespace
 from remote_support import chunks, empty, key, open_tier, ops, remote_config, requires_valkey, valkey
 from structlog.testing import capture_logs
-from tiered_kv.tiers.nvme_format import payload_checksum
-from tiered_kv.tiers.remote import RemoteTier
-from tiered_kv.tiers.remote_format import header_bytes, key_name, pack_header, payload_digest, read_header
-from tiered_kv.tiers.remote_nodes import Nodes, NodeSettings, Unreachable
 
 from tiered_kv.config import RemoteTierConfig, load_config
 from tiered_kv.errors import ConfigError, CorruptChunk, TierFullError, TierIOError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.testing.valkey_server import ValkeyServer, free_port
+from tiered_kv.tiers.nvme_format import payload_checksum
+from tiered_kv.tiers.remote import RemoteTier
+from tiered_kv.tiers.remote_format import header_bytes, key_name, pack_header, payload_digest, read_header
+from tiered_kv.tiers.remote_nodes import Nodes, NodeSettings, Unreachable
 
 pytestmark = requires_valkey
 __all__ = ["valkey"]  # fixture

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 from conftest import make_namespace
 from remote_support import chunks, empty, open_tier, remote_config, requires_valkey, valkey_cluster
-from tiered_kv.tiers.remote_format import key_name
-from tiered_kv.tiers.remote_nodes import key_slot
 
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.testing.valkey_server import HOST, ValkeyCluster
+from tiered_kv.tiers.remote_format import key_name
+from tiered_kv.tiers.remote_nodes import key_slot
 
 pytestmark = requires_valkey
 __all__ = ["valkey_cluster"]  # fixture

@@ -10,14 +10,14 @@ import pytest
 import torch
 from conftest import make_namespace
 from remote_support import chunks, key, open_tier, ops, remote_config, requires_valkey, valkey, valkey_cluster
-from tiered_kv.tiers.remote import RemoteTier
-from tiered_kv.tiers.remote_format import header_bytes
 
 from tiered_kv.interfaces import RemoteTier as RemoteTierProtocol
 from tiered_kv.interfaces import RemoteUsage, TierDriver, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.testing import TierDriverContract
 from tiered_kv.testing.valkey_server import ValkeyCluster, ValkeyServer
+from tiered_kv.tiers.remote import RemoteTier
+from tiered_kv.tiers.remote_format import header_bytes
 
 pytestmark = requires_valkey
 __all__ = ["valkey", "valkey_cluster"]  # fixtures

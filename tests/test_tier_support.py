@@ -8,6 +8,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from tiered_kv.errors import CorruptChunk
 from tiered_kv.tiers._driver import in_threads, settle, split
 from tiered_kv.tiers.nvme_format import (
     MAX_KEY_BYTES,
@@ -15,8 +17,6 @@ from tiered_kv.tiers.nvme_format import (
     payload_checksum,
     read_header,
 )
-
-from tiered_kv.errors import CorruptChunk
 
 FINGERPRINT = bytes(range(32))
 

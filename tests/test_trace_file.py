@@ -6,9 +6,9 @@ import io
 from pathlib import Path
 
 import pytest
-from tiered_kv.policies import ARC, LRU, S3FIFO, SeenK
 
 from tiered_kv.errors import TraceFormatError
+from tiered_kv.policies import ARC, LRU, S3FIFO, SeenK
 from tiered_kv.trace_file import HashIds, check_trace_file, parse_lines, read_trace, trace_lines, write_trace
 from tiered_kv.traces import distinct_chunks, replay, standard_traces
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiered_kv.policies import ARC, LRU, S3FIFO, SeenK
 
 from tiered_kv.keys import KEY_BYTES
+from tiered_kv.policies import ARC, LRU, S3FIFO, SeenK
 from tiered_kv.traces import (
     CHUNK_TOKENS,
     TraceRequest,

@@ -17,8 +17,6 @@ pytest.importorskip("vllm")
 
 import torch
 from conftest import make_namespace
-from tiered_kv.tiers.gpu import GpuTier
-from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LoadStoreSpec,
@@ -47,6 +45,8 @@ from tiered_kv.integrations.vllm.slab import Slab, plan_layout, slab_path
 from tiered_kv.integrations.vllm.worker import TieredKVWorker
 from tiered_kv.integrations.vllm.worker_plane import WorkerDataPlane
 from tiered_kv.telemetry import Telemetry
+from tiered_kv.tiers.gpu import GpuTier
+from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 pytestmark = pytest.mark.vllm
 

@@ -13,9 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_namespace
-from tiered_kv.tiers.nvme import NvmeTier
-from tiered_kv.tiers.nvme_format import HEADER_BYTES, slot_stride
-from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 from tiered_kv.config import NvmeTierConfig
 from tiered_kv.errors import TierClosedError, TieredKVError
@@ -23,6 +20,9 @@ from tiered_kv.integrations.vllm import core_plane
 from tiered_kv.integrations.vllm.core_plane import CoreDataPlane, Done, NvmeCopy, Outcome, Recovered
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.registry import TIERS
+from tiered_kv.tiers.nvme import NvmeTier
+from tiered_kv.tiers.nvme_format import HEADER_BYTES, slot_stride
+from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 SLOT = 2 * 4096 + 8
 SLOTS = 6

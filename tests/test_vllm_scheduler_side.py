@@ -20,8 +20,6 @@ from typing import Any
 import pytest
 import torch
 from conftest import make_namespace
-from tiered_kv.tiers.nvme import NvmeTier
-from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 from tiered_kv.config import NamespacePolicyConfig, NvmeTierConfig, WritePolicy
 from tiered_kv.control import ControlPlane, Pool
@@ -32,6 +30,8 @@ from tiered_kv.integrations.vllm.scheduler_side import Answer, RequestState, Sch
 from tiered_kv.integrations.vllm.stats_file import read_statistics
 from tiered_kv.registry import TIERS
 from tiered_kv.telemetry import Telemetry
+from tiered_kv.tiers.nvme import NvmeTier
+from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 NAMESPACE = make_namespace()
 CHUNK_BYTES = NAMESPACE.geometry.chunk_bytes(0)

@@ -12,8 +12,6 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from tiered_kv.tiers.gpu import GpuTier
-from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 from tiered_kv.errors import TierClosedError, TieredKVError, TierIOError
 from tiered_kv.integrations.vllm.worker_plane import (
@@ -25,6 +23,8 @@ from tiered_kv.integrations.vllm.worker_plane import (
     store_copies,
 )
 from tiered_kv.interfaces import TierStats, TransferOp
+from tiered_kv.tiers.gpu import GpuTier
+from tiered_kv.tiers.pinned_cpu import PinnedCpuTier
 
 BPC = 4  # blocks per chunk
 BLOCKS = 24

@@ -31,11 +31,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from tiered_kv.tiers._driver import COPY_WORKERS, check_buffer, in_threads, shutdown, split, tier_error, worker_pool
 
 from tiered_kv.driver_base import DriverBase
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.log import get_logger
+from tiered_kv.tiers._driver import COPY_WORKERS, check_buffer, in_threads, shutdown, split, tier_error, worker_pool
 
 log = get_logger("gpu")
 

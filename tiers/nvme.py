@@ -51,6 +51,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
+
+from tiered_kv.driver_base import DriverBase
+from tiered_kv.errors import ChunkKeyError, CorruptChunk, CorruptStore, TierError, TierIOError
+from tiered_kv.inspection import Inspection
+from tiered_kv.interfaces import TransferOp
+from tiered_kv.keys import KEY_BYTES, ChunkKey
+from tiered_kv.log import get_logger
+from tiered_kv.namespace import Namespace
 from tiered_kv.tiers._driver import (
     PAGE,
     check_buffer,
@@ -86,14 +94,6 @@ from tiered_kv.tiers.nvme_journal import (
     recovered_chunks,
     write_record,
 )
-
-from tiered_kv.driver_base import DriverBase
-from tiered_kv.errors import ChunkKeyError, CorruptChunk, CorruptStore, TierError, TierIOError
-from tiered_kv.inspection import Inspection
-from tiered_kv.interfaces import TransferOp
-from tiered_kv.keys import KEY_BYTES, ChunkKey
-from tiered_kv.log import get_logger
-from tiered_kv.namespace import Namespace
 
 if TYPE_CHECKING:  # annotations only: `tiered-kv inspect` loads this module without torch
     import torch

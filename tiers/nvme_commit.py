@@ -19,10 +19,9 @@ import contextlib
 from collections.abc import Callable
 from concurrent.futures import Executor
 
-from tiered_kv.tiers._driver import in_threads
-
 from tiered_kv.errors import TierError, TierIOError
 from tiered_kv.log import get_logger
+from tiered_kv.tiers._driver import in_threads
 
 log = get_logger("nvme")
 

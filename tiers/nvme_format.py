@@ -25,10 +25,10 @@ from typing import Literal
 
 import msgspec
 import xxhash
-from tiered_kv.tiers._driver import round_up
 
 from tiered_kv.errors import CorruptChunk
 from tiered_kv.namespace import Namespace
+from tiered_kv.tiers._driver import round_up
 
 FORMAT_VERSION = 1
 MAGIC = b"TKVSLOT\0"

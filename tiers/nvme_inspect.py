@@ -21,6 +21,11 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+
+from tiered_kv.errors import CorruptChunk, UnsafeStore
+from tiered_kv.inspection import CorruptSlot, GroupReport, Inspection, StoreReport
+from tiered_kv.layout import KVGroup
+from tiered_kv.namespace import Namespace
 from tiered_kv.tiers._driver import split, tier_error
 from tiered_kv.tiers.nvme_files import open_file, open_subdir, read_file
 from tiered_kv.tiers.nvme_format import (
@@ -34,11 +39,6 @@ from tiered_kv.tiers.nvme_format import (
     verify_slot,
 )
 from tiered_kv.tiers.nvme_journal import SlotMap, read_files, replay
-
-from tiered_kv.errors import CorruptChunk, UnsafeStore
-from tiered_kv.inspection import CorruptSlot, GroupReport, Inspection, StoreReport
-from tiered_kv.layout import KVGroup
-from tiered_kv.namespace import Namespace
 
 #: Threads that ``verify`` reads and checks chunks with.
 VERIFY_THREADS = 8

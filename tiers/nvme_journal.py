@@ -33,10 +33,10 @@ from typing import NamedTuple
 
 import numpy as np
 import xxhash
-from tiered_kv.tiers.nvme_files import open_file, read_file, replace_file
-from tiered_kv.tiers.nvme_format import GroupFile, group_file
 
 from tiered_kv.log import get_logger
+from tiered_kv.tiers.nvme_files import open_file, read_file, replace_file
+from tiered_kv.tiers.nvme_format import GroupFile, group_file
 
 FORMAT_VERSION = 1
 #: One record: slot, live (1: the slot holds key; 2: it holds key until the process ends,

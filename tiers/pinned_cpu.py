@@ -26,6 +26,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from tiered_kv.driver_base import DriverBase
+from tiered_kv.errors import ConfigError, TierFullError
+from tiered_kv.interfaces import TransferOp
+from tiered_kv.log import get_logger
 from tiered_kv.tiers._driver import (
     COPY_WORKERS,
     PAGE,
@@ -38,11 +43,6 @@ from tiered_kv.tiers._driver import (
     tier_error,
     worker_pool,
 )
-
-from tiered_kv.driver_base import DriverBase
-from tiered_kv.errors import ConfigError, TierFullError
-from tiered_kv.interfaces import TransferOp
-from tiered_kv.log import get_logger
 
 log = get_logger("cpu")
 

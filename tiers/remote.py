@@ -32,6 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from tiered_kv.config import RemoteTierConfig
+from tiered_kv.driver_base import DriverBase
+from tiered_kv.errors import ConfigError, CorruptChunk, TierFullError, TierIOError
+from tiered_kv.interfaces import RemoteTierStats, RemoteUsage, TransferOp
+from tiered_kv.keys import ChunkKey
+from tiered_kv.log import get_logger
+from tiered_kv.namespace import Namespace
 from tiered_kv.tiers._driver import check_buffer, in_threads, settle, shutdown, split, worker_pool
 from tiered_kv.tiers.nvme_format import MAX_KEY_BYTES, payload_checksum
 from tiered_kv.tiers.remote_format import (
@@ -44,14 +51,6 @@ from tiered_kv.tiers.remote_format import (
 )
 from tiered_kv.tiers.remote_nodes import Address, Nodes, NodeSettings
 from tiered_kv.tiers.remote_resp import ProtocolError, RespConnection, RespError, command, set_prefix
-
-from tiered_kv.config import RemoteTierConfig
-from tiered_kv.driver_base import DriverBase
-from tiered_kv.errors import ConfigError, CorruptChunk, TierFullError, TierIOError
-from tiered_kv.interfaces import RemoteTierStats, RemoteUsage, TransferOp
-from tiered_kv.keys import ChunkKey
-from tiered_kv.log import get_logger
-from tiered_kv.namespace import Namespace
 
 if TYPE_CHECKING:  # annotations only: inspecting a deployment loads no torch
     import torch

@@ -17,9 +17,9 @@ from __future__ import annotations
 import struct
 
 import xxhash
-from tiered_kv.tiers.nvme_format import MAX_KEY_BYTES
 
 from tiered_kv.errors import CorruptChunk
+from tiered_kv.tiers.nvme_format import MAX_KEY_BYTES
 
 FORMAT_VERSION = 1
 MAGIC = b"TKVREMOT"

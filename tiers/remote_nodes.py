@@ -20,9 +20,8 @@ import time
 from binascii import crc_hqx
 from collections.abc import Callable, Sequence
 
-from tiered_kv.tiers.remote_resp import RespConnection, RespError
-
 from tiered_kv.log import get_logger
+from tiered_kv.tiers.remote_resp import RespConnection, RespError
 
 Address = tuple[str, int]
 SLOTS = 16384
