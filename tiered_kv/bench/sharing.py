@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from tiered_kv.bench.remote import remote_server
 from tiered_kv.bench.report import Table
 from tiered_kv.bench.schema import SharingFigures, SharingRun
-from tiered_kv.bench.workload import ENGINE_CHUNKS, STORE_BATCH, _keys_by_group, _load_tables
+from tiered_kv.bench.workload import ENGINE_CHUNKS, STORE_BATCH, _keys_by_group, serve
 from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, RemoteTierConfig, TieredKVConfig
 from tiered_kv.namespace import Namespace
 from tiered_kv.traces import TraceRequest, distinct_chunks
@@ -110,28 +110,10 @@ async def _serve(
                 kv.lookup(namespace, keys)
                 await kv.drain()  # the probe answers; earlier requests' writes have landed
                 hit = kv.lookup(namespace, keys)
-                if hit:
-                    started = time.perf_counter()
-                    tokens = await kv.load(
-                        namespace,
-                        request_id=str(i),
-                        keys=keys,
-                        block_ids=_load_tables(geometry, table, hit * geometry.chunk_size),
-                        num_tokens=hit * geometry.chunk_size,
-                    )
-                    load_s += time.perf_counter() - started
-                    tokens_cached += tokens
-                    chunks_loaded += tokens // geometry.chunk_size
-                for start in range(hit, len(request.keys), STORE_BATCH):
-                    stop = min(start + STORE_BATCH, len(request.keys))
-                    await kv.store(
-                        namespace,
-                        request_id=str(i),
-                        keys=[group_keys[:stop] for group_keys in keys],
-                        block_ids=[[-1] * (start * per_chunk) + table[start * per_chunk : stop * per_chunk]]
-                        * len(groups),
-                    )
-                    await kv.finish_request(str(i))
+                tokens, loading_s = await serve(kv, namespace, str(i), keys, table, hit)
+                load_s += loading_s
+                tokens_cached += tokens
+                chunks_loaded += tokens // geometry.chunk_size
             for kv in engines:
                 await kv.drain()
                 loaded.update(kv.statistics().loaded_chunks)

@@ -30,6 +30,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.models import model_from_args
@@ -42,6 +43,9 @@ from tiered_kv.layout import AttentionKind, KVGeometry
 from tiered_kv.namespace import Namespace
 from tiered_kv.spans import window_span
 from tiered_kv.traces import CHUNK_TOKENS, TraceRequest, distinct_chunks, standard_traces
+
+if TYPE_CHECKING:  # the manager (and torch) load when a section runs
+    from tiered_kv.manager import TieredKV
 
 TRACES = ("chat", "rag", "scan_polluted")
 #: Chunks a request stores per call, as prefill produces them.
@@ -133,6 +137,40 @@ class WorkloadSection:
         return SectionResult(payload=figures, tables=[table, sharing_table(sharing)])
 
 
+async def serve(
+    kv: TieredKV, namespace: Namespace, request_id: str, keys: list[list[ChunkKey]], table: list[int], hit: int
+) -> tuple[int, float]:
+    """One request as the bench's engine serves it: load the ``hit`` leading chunks a
+    lookup found into the blocks of ``table``, then store the rest, ``STORE_BATCH`` chunks
+    at a time. Tokens loaded, and the seconds the load took."""
+    geometry = namespace.geometry
+    per_chunk = geometry.blocks_per_chunk
+    loaded, loading_s = 0, 0.0
+    if hit:
+        started = time.perf_counter()
+        loaded = await kv.load(
+            namespace,
+            request_id=request_id,
+            keys=keys,
+            block_ids=_load_tables(geometry, table, hit * geometry.chunk_size),
+            num_tokens=hit * geometry.chunk_size,
+        )
+        loading_s = time.perf_counter() - started
+    chunks = len(keys[0])
+    for start in range(hit, chunks, STORE_BATCH):
+        stop = min(start + STORE_BATCH, chunks)
+        await kv.store(
+            namespace,
+            request_id=request_id,
+            keys=[group_keys[:stop] for group_keys in keys],
+            # The engine no longer holds the blocks of earlier batches (-1).
+            block_ids=[[-1] * (start * per_chunk) + table[start * per_chunk : stop * per_chunk]] * len(keys),
+        )
+        # The engine reuses its blocks for the next batch: wait for their reads.
+        await kv.finish_request(request_id)
+    return loaded, loading_s
+
+
 def mean_ttft_s(services: Sequence[float], arrivals: Sequence[float] | None) -> float:
     """Mean time to first token: each request's service time, plus, when ``arrivals`` (in
     seconds) are known, its wait for one prefill engine serving requests in that order."""
@@ -189,32 +227,10 @@ async def _replay(
                 lookups += len(request.keys)
                 prompt_tokens += request.prompt_tokens
                 hit = kv.lookup(namespace, keys)
-                loaded, loading_s = 0, 0.0
-                if hit:
-                    started = time.perf_counter()
-                    loaded = await kv.load(
-                        namespace,
-                        request_id=str(i),
-                        keys=keys,
-                        block_ids=_load_tables(geometry, table, hit * geometry.chunk_size),
-                        num_tokens=hit * geometry.chunk_size,
-                    )
-                    loading_s = time.perf_counter() - started
-                    load_s += loading_s
-                    tokens_cached += loaded
+                loaded, loading_s = await serve(kv, namespace, str(i), keys, table, hit)
+                load_s += loading_s
+                tokens_cached += loaded
                 cached_services.append(loading_s + (request.prompt_tokens - loaded) / speed)
-                for start in range(hit, len(request.keys), STORE_BATCH):
-                    stop = min(start + STORE_BATCH, len(request.keys))
-                    await kv.store(
-                        namespace,
-                        request_id=str(i),
-                        keys=[group_keys[:stop] for group_keys in keys],
-                        # The engine no longer holds the blocks of earlier batches (-1).
-                        block_ids=[[-1] * (start * per_chunk) + table[start * per_chunk : stop * per_chunk]]
-                        * len(groups),
-                    )
-                    # The engine reuses its blocks for the next batch: wait for their reads.
-                    await kv.finish_request(str(i))
             await kv.drain()
             stats = kv.statistics()
     first_ms = (requests[0].arrival_ms or 0.0) if requests else 0.0
