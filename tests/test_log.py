@@ -3,6 +3,7 @@ the host's structlog pipeline when it configured one; never configured by the li
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
@@ -13,10 +14,10 @@ import pytest
 import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from structlog.contextvars import bound_contextvars
+from structlog.contextvars import bind_contextvars, bound_contextvars, clear_contextvars, get_contextvars
 from structlog.testing import LogCapture, capture_logs
 
-from tiered_kv.log import ROOT, get_logger, reset_loggers
+from tiered_kv.log import ROOT, bound_to_call, get_logger, reset_loggers
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -173,3 +174,38 @@ def test_a_method_taken_before_structlog_was_configured_binds_once(monkeypatch: 
     for i in range(3):
         debug("lookup.done", n_chunks=i)
     assert [e["n_chunks"] for e in capture.entries] == [0, 1, 2] and len(made) == 1
+
+
+@given(
+    outer=st.dictionaries(st.sampled_from(["request_id", "namespace", "tenant"]), st.text(max_size=5)),
+    inner=st.dictionaries(st.sampled_from(["request_id", "namespace"]), st.text(max_size=5), min_size=1),
+)
+def test_a_call_binding_is_seen_inside_and_what_was_bound_before_is_back_after(
+    outer: dict[str, str], inner: dict[str, str]
+) -> None:
+    """``bound_to_call`` (the manager's per-call binding) behaves as structlog's
+    ``bound_contextvars``: its fields inside, the host's own bindings (or none) after."""
+    clear_contextvars()
+    bind_contextvars(**outer)
+    with bound_to_call(**inner):
+        assert get_contextvars() == {**outer, **inner}
+        with bound_to_call(request_id="nested"):
+            assert get_contextvars()["request_id"] == "nested"
+        assert get_contextvars() == {**outer, **inner}
+    assert get_contextvars() == outer
+    clear_contextvars()
+
+
+async def test_tasks_started_inside_a_call_binding_carry_it_and_the_caller_is_left_clean() -> None:
+    clear_contextvars()
+    with bound_to_call(request_id="r1", namespace="n1"):
+        task = asyncio.ensure_future(asyncio.sleep(0, result=None))
+        seen = asyncio.ensure_future(_fields_later())
+    assert get_contextvars() == {}
+    await task
+    assert await seen == {"request_id": "r1", "namespace": "n1"}
+
+
+async def _fields_later() -> dict[str, object]:
+    await asyncio.sleep(0)
+    return get_contextvars()

@@ -17,6 +17,7 @@ is bound to the host's pipeline once when the host caches loggers
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import weakref
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from typing import Any
 
 import structlog
 from structlog import is_configured
-from structlog.contextvars import get_contextvars
+from structlog.contextvars import bind_contextvars, get_contextvars
 
 #: Stdlib loggers are named ``tiered_kv.<component>``.
 ROOT = "tiered_kv"
@@ -108,6 +109,39 @@ class EventLogger:
         for name in _LEVELS:
             vars(self).pop(name, None)
         self._target = None
+
+
+class bound_to_call:
+    """Bind ``fields`` to the context of a call (its events, and those of the tasks it
+    starts, carry them) and put back what was bound before on exit: structlog's
+    ``bound_contextvars``, on the path of every ``load`` and ``store``, at the cost of
+    setting and resetting one context variable per field (structlog's own, found from
+    the token of the first binding)."""
+
+    __slots__ = ("_fields", "_tokens")
+
+    def __init__(self, **fields: Any) -> None:
+        self._fields = fields
+
+    def __enter__(self) -> None:
+        tokens = []
+        for name, value in self._fields.items():
+            var = _CALL_VARS.get(name)
+            if var is None:
+                token = bind_contextvars(**{name: value})[name]
+                _CALL_VARS[name] = token.var
+            else:
+                token = var.set(value)
+            tokens.append(token)
+        self._tokens = tokens
+
+    def __exit__(self, *exc_info: object) -> None:
+        for token in reversed(self._tokens):
+            token.var.reset(token)
+
+
+#: structlog's context variable of each field :class:`bound_to_call` has bound.
+_CALL_VARS: dict[str, contextvars.ContextVar[Any]] = {}
 
 
 def get_logger(component: str) -> EventLogger:

@@ -34,7 +34,6 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 import torch
-from structlog.contextvars import bound_contextvars
 
 from tiered_kv.arguments import (
     blocks_in_range,
@@ -70,7 +69,7 @@ from tiered_kv.errors import (
 from tiered_kv.interfaces import HostTier, RecoverableTier, RemoteTier, TierDriver, TierFactory, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind
-from tiered_kv.log import get_logger
+from tiered_kv.log import bound_to_call, get_logger
 from tiered_kv.namespace import Namespace
 from tiered_kv.registry import TIERS
 from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler
@@ -469,7 +468,7 @@ class TieredKV:
         per_group(keys, len(pools), "keys", ChunkKeyError)
         tables = [require_block_ids(table) for table in per_group(block_ids, len(pools), "block_ids", BlockTableError)]
         # Events of this load, in the promotions it starts too, carry the request and namespace.
-        with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
+        with bound_to_call(request_id=request_id, namespace=namespace.fingerprint_hex):
             started = self._clock()
             try:
                 plans = [
@@ -851,7 +850,7 @@ class TieredKV:
         taken: int,
     ) -> StoreResult:
         # Events of this store, in its background tasks too, carry the request and namespace.
-        with bound_contextvars(request_id=request_id, namespace=namespace.fingerprint_hex):
+        with bound_to_call(request_id=request_id, namespace=namespace.fingerprint_hex):
             try:
                 plan = self._control.plan_store(namespace, keys, block_ids)
             except BaseException:
