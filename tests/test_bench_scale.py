@@ -3,6 +3,7 @@ is met, in the table and in the JSON document."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -11,13 +12,22 @@ import pytest
 from tiered_kv.bench.schema import validate
 from tiered_kv.cli import main
 
-FIGURES = ["max stall (ms)", "p99 stall (ms)", "chunks/s stored", "reopen (s)", "index B/chunk"]
+FIGURES = [
+    "max stall (ms)",
+    "p99 stall (ms)",
+    "max stall, heap frozen (ms)",
+    "p99 stall, heap frozen (ms)",
+    "chunks/s stored",
+    "reopen (s)",
+    "index B/chunk",
+]
 
 
 def test_bench_scale_reports_each_figure_against_its_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     code = main(["bench", "scale", "--max-chunks", "10000", "--nvme-dir", str(tmp_path), "--json", str(out)])
     assert code == 0
+    assert gc.get_freeze_count() == 0, "the heap the frozen pass froze is thawed again"
     table = capsys.readouterr().out
     assert "scale: nvme tier of 4,096 B chunks through TieredKV" in table
     assert all(figure in table for figure in FIGURES)
@@ -32,6 +42,8 @@ def test_bench_scale_reports_each_figure_against_its_target(tmp_path: Path, caps
     assert 0 < size.driver_reopen_s <= size.reopen_s
     assert size.driver_bytes_per_chunk == pytest.approx(17 * 10_000 / size.chunks)
     assert size.index_bytes_per_chunk > size.driver_bytes_per_chunk
+    assert size.frozen_stall_max_ms >= size.frozen_stall_p99_ms >= 0 and size.frozen_gc_pause_max_ms >= 0
+    assert not (tmp_path / "frozen").exists() and not list(tmp_path.glob("*/frozen")), "the second store is removed"
     assert json.loads(out.read_text())["scale"]["sizes"][0]["checks"][0]["figure"] == FIGURES[0]
 
 

@@ -132,9 +132,7 @@ async def test_a_fifo_planted_as_the_namespace_record_is_refused_without_blockin
     refusal(caught, store_dir(root) / "namespace.json", "is not a regular file")
 
 
-async def test_a_store_directory_that_is_a_link_is_refused_and_its_target_untouched(
-    root: Path, tmp_path: Path
-) -> None:
+async def test_a_store_directory_that_is_a_link_is_refused_and_its_target_untouched(root: Path, tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o755)
     store_dir(root).symlink_to(elsewhere, target_is_directory=True)

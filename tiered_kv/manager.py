@@ -379,10 +379,10 @@ class TieredKV:
     async def _restore(self, pool: Pool, recovered: dict[ChunkKey, int]) -> None:
         """A warm restart's chunks into the pool's nvme index, a batch at a time, giving the
         event loop back between batches: a store of a million chunks must not hold it."""
-        items = iter(recovered.items())
-        while batch := list(itertools.islice(items, RESTORE_BATCH)):
-            keys, slots = zip(*batch, strict=True)
-            self._control.restore(pool, keys, slots)
+        keys, slots = list(recovered), list(recovered.values())
+        for start in range(0, len(keys), RESTORE_BATCH):
+            stop = start + RESTORE_BATCH
+            self._control.restore(pool, keys[start:stop], slots[start:stop])
             await asyncio.sleep(0)
         self._control.restored(pool)
 

@@ -38,6 +38,7 @@ DEFAULT_CPU_SHARE = 0.5
 #: The model whose chunk sizes price a recommendation, unless --model names another.
 DEFAULT_MODEL = "llama-1b"
 
+
 def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 

@@ -153,6 +153,12 @@ class ScaleSize(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     reopen_s: float
     reopen_stall_max_ms: float
     index_bytes_per_chunk: float
+    #: The same growth in a second store, with the host's heap frozen once the manager was
+    #: registered (``gc.freeze()``, as vLLM's engine and workers do after start-up): the
+    #: stalls, and the longest garbage collection meanwhile.
+    frozen_stall_max_ms: float
+    frozen_stall_p99_ms: float
+    frozen_gc_pause_max_ms: float
     #: The nvme driver alone growing a store to this size with the same batches.
     driver_stall_max_ms: float
     driver_stall_p99_ms: float
