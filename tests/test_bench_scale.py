@@ -49,3 +49,12 @@ def test_bench_scale_reports_each_figure_against_its_target(tmp_path: Path, caps
 
 def test_bench_scale_refuses_a_size_below_its_smallest(tmp_path: Path) -> None:
     assert main(["bench", "scale", "--max-chunks", "5000", "--nvme-dir", str(tmp_path)]) == 2
+
+
+def test_bench_scale_leaves_a_heap_the_caller_froze_frozen(tmp_path: Path) -> None:
+    gc.freeze()
+    try:
+        assert main(["bench", "scale", "--max-chunks", "10000", "--nvme-dir", str(tmp_path)]) == 0
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

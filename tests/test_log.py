@@ -4,10 +4,13 @@ the host's structlog pipeline when it configured one; never configured by the li
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import subprocess
 import sys
+import types
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
@@ -209,3 +212,23 @@ async def test_tasks_started_inside_a_call_binding_carry_it_and_the_caller_is_le
 async def _fields_later() -> dict[str, object]:
     await asyncio.sleep(0)
     return get_contextvars()
+
+
+def test_a_call_binding_left_in_another_context_than_it_was_entered_in_exits_cleanly() -> None:
+    """A host that steps a coroutine in one context and finishes it in another (manual
+    driving) gets the call's outcome, as with ``bound_contextvars``, not a ValueError."""
+
+    @types.coroutine
+    def suspend() -> Generator[None, None, None]:
+        yield
+
+    async def call() -> str:
+        with bound_to_call(request_id="call"):
+            await suspend()
+        return "done"
+
+    coro = call()
+    contextvars.copy_context().run(coro.send, None)
+    with pytest.raises(StopIteration) as finished:
+        contextvars.copy_context().run(coro.send, None)
+    assert finished.value.value == "done"

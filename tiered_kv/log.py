@@ -115,8 +115,8 @@ class bound_to_call:
     """Bind ``fields`` to the context of a call (its events, and those of the tasks it
     starts, carry them) and put back what was bound before on exit: structlog's
     ``bound_contextvars``, on the path of every ``load`` and ``store``, at the cost of
-    setting and resetting one context variable per field (structlog's own, found from
-    the token of the first binding)."""
+    structlog's ``bind_contextvars`` and one reset per field (``bound_contextvars`` also
+    reads the whole context first, and unbinds and binds again on exit)."""
 
     __slots__ = ("_fields", "_tokens")
 
@@ -124,24 +124,14 @@ class bound_to_call:
         self._fields = fields
 
     def __enter__(self) -> None:
-        tokens = []
-        for name, value in self._fields.items():
-            var = _CALL_VARS.get(name)
-            if var is None:
-                token = bind_contextvars(**{name: value})[name]
-                _CALL_VARS[name] = token.var
-            else:
-                token = var.set(value)
-            tokens.append(token)
-        self._tokens = tokens
+        self._tokens = bind_contextvars(**self._fields)
 
     def __exit__(self, *exc_info: object) -> None:
-        for token in reversed(self._tokens):
-            token.var.reset(token)
-
-
-#: structlog's context variable of each field :class:`bound_to_call` has bound.
-_CALL_VARS: dict[str, contextvars.ContextVar[Any]] = {}
+        for token in reversed(list(self._tokens.values())):
+            try:
+                token.var.reset(token)
+            except ValueError:  # left in another context than it was entered in: put the old value back
+                token.var.set(Ellipsis if token.old_value is contextvars.Token.MISSING else token.old_value)
 
 
 def get_logger(component: str) -> EventLogger:
