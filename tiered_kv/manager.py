@@ -475,10 +475,10 @@ class TieredKV:
                     self._plan_load(pool, namespace, k, b, num_tokens)
                     for pool, k, b in zip(pools, keys, tables, strict=True)
                 ]
-                for pool, plan in zip(pools, plans, strict=True):
+                for pool, plan, table in zip(pools, plans, tables, strict=True):
                     require_keys(plan.keys)
                     gpu = self._drivers[pool.id].gpus[namespace.tp_rank]
-                    blocks_in_range([b for blocks in plan.blocks for b in blocks], gpu.num_slots)
+                    blocks_in_range(table[: sum(map(len, plan.blocks))], gpu.num_slots)  # the blocks the plan fills
             except (SpanError, BlockTableError) as exc:
                 reason = "span" if isinstance(exc, SpanError) else "block_table"
                 self._telemetry.loads_rejected[reason] += 1
@@ -542,15 +542,13 @@ class TieredKV:
         mapped = span_chunks(span, block_size=b, chunk_size=pool.chunk_size)
         if mapped.chunks and mapped.chunks.stop > len(keys):
             raise SpanError(f"{num_tokens} tokens need {mapped.chunks.stop} chunks but {len(keys)} keys were given")
-        plan_keys, plan_blocks, firsts = [], [], []
-        cursor = 0
-        for i, chunk in enumerate(mapped.chunks):
-            first = mapped.first_block_offset if i == 0 else 0
-            count = min(k - first, len(pending) - cursor)
-            plan_keys.append(keys[chunk])
-            plan_blocks.append(tuple(pending[cursor : cursor + count]))
-            firsts.append(first)
-            cursor += count
+        # Chunk by chunk, each its blocks of ``pending`` in turn; the first may start inside
+        # its chunk (a window), so it takes fewer, and the last may be cut short.
+        first = mapped.first_block_offset
+        starts = [0, *range(k - first, len(pending), k)][: len(mapped.chunks)]
+        plan_blocks = [tuple(pending[start : start + (k - first if i == 0 else k)]) for i, start in enumerate(starts)]
+        firsts = [first] + [0] * (len(starts) - 1) if starts else []
+        plan_keys = [keys[chunk] for chunk in mapped.chunks]
         return _LoadPlan(pool, namespace.fingerprint_hex, namespace, plan_keys, plan_blocks, firsts)
 
     async def _run_load(
