@@ -146,6 +146,11 @@ def check_buffer(buffer: torch.Tensor, *, max_bytes: int, exact: bool = False) -
     return nbytes
 
 
+def bytes_of(buffer: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous uint8 CPU tensor's bytes (zero-copy)."""
+    return buffer.numpy().data.cast("B")
+
+
 def check_slots(ops: Sequence[TransferOp], num_slots: int) -> None:
     """Every op names a slot of the tier, and no two ops of a batch name the same one."""
     slots = [op.slot for op in ops]

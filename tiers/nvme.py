@@ -47,7 +47,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -61,6 +60,7 @@ from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
 from tiered_kv.tiers._driver import (
     PAGE,
+    bytes_of,
     check_buffer,
     check_slots,
     in_threads,
@@ -95,9 +95,6 @@ from tiered_kv.tiers.nvme_journal import (
     write_record,
 )
 
-if TYPE_CHECKING:  # annotations only: `tiered-kv inspect` loads this module without torch
-    import torch
-
 _ZEROS = memoryview(bytes(HEADER_BYTES))
 #: Consecutive slots one ``pwritev`` writes at most (each takes two or three iovecs).
 COALESCE_OPS = 256
@@ -111,11 +108,6 @@ COMMIT_WINDOW_S = 0.02
 COMPACT_AT_LEAST = 4096
 
 log = get_logger("nvme")
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A writable memoryview of a contiguous uint8 CPU tensor's bytes (zero-copy)."""
-    return tensor.numpy().data.cast("B")
 
 
 class _Lane(threading.local):
@@ -501,7 +493,7 @@ class NvmeTier(DriverBase):
     def _payload(self, op: TransferOp, lane: _Lane) -> tuple[memoryview, memoryview | None]:
         """The memory the disk transfers for ``op`` (padded for ``O_DIRECT``), and the
         caller's bytes when that memory is a staging buffer instead."""
-        data = _bytes_of(op.buffer)
+        data = bytes_of(op.buffer)
         if not self._staged(op):
             return data, None
         return lane.staged(round_up(len(data)), self.slot_stride - HEADER_BYTES), data

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from tiered_kv.config import RemoteTierConfig
 from tiered_kv.driver_base import DriverBase
@@ -39,7 +39,7 @@ from tiered_kv.interfaces import RemoteTierStats, RemoteUsage, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
-from tiered_kv.tiers._driver import check_buffer, in_threads, settle, shutdown, split, worker_pool
+from tiered_kv.tiers._driver import bytes_of, check_buffer, in_threads, settle, shutdown, split, worker_pool
 from tiered_kv.tiers.nvme_format import MAX_KEY_BYTES, payload_checksum
 from tiered_kv.tiers.remote_format import (
     header_bytes,
@@ -51,9 +51,6 @@ from tiered_kv.tiers.remote_format import (
 )
 from tiered_kv.tiers.remote_nodes import Address, Nodes, NodeSettings
 from tiered_kv.tiers.remote_resp import ProtocolError, RespConnection, RespError, command, set_prefix
-
-if TYPE_CHECKING:  # annotations only: inspecting a deployment loads no torch
-    import torch
 
 log = get_logger("remote")
 
@@ -87,10 +84,6 @@ class _Item:
         self.op = op
         #: The namespace the value belongs to (bound in its name and its header).
         self.fingerprint = fingerprint
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return tensor.numpy().data.cast("B")
 
 
 class _Call:
@@ -142,7 +135,7 @@ class _Get:
         if n < 0:
             return Outcome.ABSENT
         key = item.op.key
-        target = _bytes_of(item.op.buffer)
+        target = bytes_of(item.op.buffer)
         size = header_bytes(len(key))
         if n != size + len(target):
             return _drop(conn, n, size + len(target))
@@ -180,7 +173,7 @@ class _Set:
 
     def request(self, item: _Item) -> list[bytes | memoryview]:
         assert item.op is not None
-        payload = _bytes_of(item.op.buffer)
+        payload = bytes_of(item.op.buffer)
         header = pack_header(
             fingerprint=item.fingerprint,
             group=self.group,
@@ -202,7 +195,7 @@ class _RawSet:
 
     def request(self, item: _Item) -> list[bytes | memoryview]:
         assert item.op is not None
-        payload = _bytes_of(item.op.buffer)
+        payload = bytes_of(item.op.buffer)
         return [set_prefix(item.name, len(payload)), payload, _CRLF]
 
     def response(self, conn: RespConnection, item: _Item) -> Outcome | RespError:
@@ -221,7 +214,7 @@ class _RawGet:
         n = conn.read_bulk_length()
         if isinstance(n, RespError) or n < 0:
             return n if isinstance(n, RespError) else Outcome.ABSENT
-        target = _bytes_of(item.op.buffer)
+        target = bytes_of(item.op.buffer)
         if n != len(target):
             conn.skip(n)
             conn.expect_crlf()
