@@ -4,6 +4,7 @@ tenants coming and going, a multi-group store that is rejected."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from conftest import make_namespace, mla_geometry
@@ -247,3 +248,30 @@ async def test_a_cpu_tier_larger_than_memory_is_a_typed_error_and_leaves_the_bud
         with pytest.raises(TierError, match="cannot allocate"):
             await kv.register(NS, gpu_tensors())
         assert kv._control.pools == {}
+
+
+class _SlowSlabTiers(NullTiers):
+    """Null drivers whose cpu slab takes a while to make, as page-locking gigabytes does."""
+
+    def cpu(self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int) -> NullTier:
+        time.sleep(0.3)
+        return super().cpu(namespace, group, slot_bytes, num_slots)
+
+
+async def test_register_makes_the_cpu_slab_off_the_event_loop() -> None:
+    """Allocating (with CUDA: page-locking) the cpu slab is proportional to the tier: the
+    loop keeps running other tasks meanwhile (DESIGN invariant 8)."""
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    async with TieredKV(config(nvme_chunks=None), tiers=_SlowSlabTiers()) as kv:
+        task = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        await kv.register(NS, gpu_tensors())
+        task.cancel()
+        assert ticks >= 5, f"the loop ran {ticks} times in the 0.3 s the slab took"

@@ -388,7 +388,10 @@ class TieredKV:
 
     async def _open_drivers(self, base: Namespace, group: int, cpu_slots: int, nvme_slots: int) -> _Drivers:
         chunk_bytes = base.geometry.chunk_bytes(group)
-        drivers = _Drivers(self._tiers.cpu(base, group, chunk_bytes, cpu_slots), None)
+        # Allocating the slab (with CUDA: page-locking it) takes time in proportion to the
+        # tier: off the loop. The opening task is never cancelled, so the slab is not lost.
+        cpu = await asyncio.to_thread(self._tiers.cpu, base, group, chunk_bytes, cpu_slots)
+        drivers = _Drivers(cpu, None)
         try:
             if self.config.nvme is not None and nvme_slots:
                 drivers.nvme = await self._tiers.nvme(base, group, chunk_bytes, nvme_slots, self.config.nvme)
