@@ -23,6 +23,31 @@ def make_namespace(**overrides: object) -> Namespace:
     return Namespace(**fields)  # type: ignore[arg-type]
 
 
+def hybrid_namespace(
+    window: int,
+    *,
+    block_size: int = 4,
+    chunk_size: int = 16,
+    num_layers: int = 1,
+    num_kv_heads: int = 2,
+    head_dim: int = 8,
+    dtype: str = "float16",
+    model_id: str = "acme/hybrid",
+) -> Namespace:
+    """A hybrid model: a full-attention group and a sliding-window group of ``window``
+    tokens, both of the same shape."""
+    shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    return make_namespace(
+        model_id=model_id,
+        geometry=KVGeometry(
+            dtype=dtype,
+            block_size=block_size,
+            chunk_size=chunk_size,
+            groups=(KVGroup(**shape), KVGroup(kind=AttentionKind.SLIDING_WINDOW, window=window, **shape)),
+        ),
+    )
+
+
 def mla_geometry() -> KVGeometry:
     return KVGeometry(
         dtype="bfloat16",

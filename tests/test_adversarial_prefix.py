@@ -20,16 +20,13 @@ from __future__ import annotations
 import contextlib
 
 import msgspec
-from conftest import make_namespace
+from conftest import hybrid_namespace, make_namespace
 from test_manager_data import engine_cache
 
 from tiered_kv import (
-    AttentionKind,
     BlockTableError,
     ChunkKeyError,
     CpuTierConfig,
-    KVGeometry,
-    KVGroup,
     TieredKV,
     TieredKVConfig,
     chunk_keys,
@@ -40,18 +37,7 @@ ATTACKER = msgspec.structs.replace(NS, cache_salt="attacker")
 K = NS.geometry.blocks_per_chunk
 CPU_CHUNKS = 8
 
-HYBRID = make_namespace(
-    model_id="acme/hybrid",
-    geometry=KVGeometry(
-        dtype="float16",
-        block_size=4,
-        chunk_size=16,
-        groups=(
-            KVGroup(num_layers=2, num_kv_heads=2, head_dim=8),
-            KVGroup(kind=AttentionKind.SLIDING_WINDOW, window=8, num_layers=2, num_kv_heads=2, head_dim=8),
-        ),
-    ),
-)
+HYBRID = hybrid_namespace(8, num_layers=2)
 
 
 async def test_keys_stored_in_both_orders_never_pin_the_cpu_tier_against_other_tenants() -> None:

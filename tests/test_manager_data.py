@@ -13,16 +13,13 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from conftest import make_namespace
+from conftest import hybrid_namespace, make_namespace
 
 from tiered_kv import (
-    AttentionKind,
     BlockTableError,
     ChunkKeyError,
     ConfigError,
     CpuTierConfig,
-    KVGeometry,
-    KVGroup,
     Namespace,
     NamespacePolicyConfig,
     NvmeTierConfig,
@@ -145,18 +142,7 @@ async def test_corrupt_chunk_on_nvme_is_a_miss_never_wrong_bytes(tmp_path: Path)
 
 async def test_production_sliding_window_span_loads_bit_exact(tmp_path: Path) -> None:
     """W=4096, B=32, C=256, N=98012: the window spans 129 blocks, 2934…3062."""
-    hybrid = make_namespace(
-        model_id="acme/hybrid",
-        geometry=KVGeometry(
-            dtype="float16",
-            block_size=32,
-            chunk_size=256,
-            groups=(
-                KVGroup(num_layers=1, num_kv_heads=1, head_dim=4),
-                KVGroup(kind=AttentionKind.SLIDING_WINDOW, window=4096, num_layers=1, num_kv_heads=1, head_dim=4),
-            ),
-        ),
-    )
+    hybrid = hybrid_namespace(4096, block_size=32, chunk_size=256, num_kv_heads=1, head_dim=4)
     n_blocks = 3064 + 200
     full_cache, window_cache = engine_cache(n_blocks, 1, hybrid, 0), engine_cache(n_blocks, 2, hybrid, 1)
     prompt = list(range(98048))  # 383 full chunks

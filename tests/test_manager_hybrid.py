@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_namespace
+from conftest import hybrid_namespace
 from structlog.testing import capture_logs
 
 from tiered_kv import (
-    AttentionKind,
     CpuTierConfig,
-    KVGeometry,
-    KVGroup,
     TieredKVConfig,
     chunk_keys,
     window_span,
@@ -23,17 +20,8 @@ from tiered_kv import (
 from tiered_kv.manager import TieredKV
 from tiered_kv.null import NullTiers
 
-HYBRID = make_namespace(
-    model_id="acme/hybrid-swa",
-    geometry=KVGeometry(
-        dtype="bfloat16",
-        block_size=32,
-        chunk_size=256,
-        groups=(
-            KVGroup(num_layers=1, num_kv_heads=1, head_dim=8),
-            KVGroup(kind=AttentionKind.SLIDING_WINDOW, window=4096, num_layers=1, num_kv_heads=1, head_dim=8),
-        ),
-    ),
+HYBRID = hybrid_namespace(
+    4096, block_size=32, chunk_size=256, num_kv_heads=1, dtype="bfloat16", model_id="acme/hybrid-swa"
 )
 PROMPT = list(range(98048))  # 383 full chunks
 N = 98012

@@ -20,13 +20,12 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from conftest import make_namespace
+from conftest import hybrid_namespace, make_namespace
 from remote_support import remote_config, requires_valkey, valkey
 from structlog.testing import capture_logs
 from test_manager_data import engine_cache
 
 from tiered_kv import (
-    AttentionKind,
     CpuTierConfig,
     KVGeometry,
     KVGroup,
@@ -526,18 +525,7 @@ async def test_a_caller_deadline_on_a_remote_load_leaves_nothing_pinned_and_the_
             assert await b.load(keys, 2, first_chunk=8) == 2 and b.holds(8, a, 0, 2)
 
 
-HYBRID = make_namespace(
-    model_id="acme/hybrid",
-    geometry=KVGeometry(
-        dtype="float16",
-        block_size=4,
-        chunk_size=16,
-        groups=(
-            KVGroup(num_layers=1, num_kv_heads=2, head_dim=8),
-            KVGroup(kind=AttentionKind.SLIDING_WINDOW, window=24, num_layers=1, num_kv_heads=2, head_dim=8),
-        ),
-    ),
-)
+HYBRID = hybrid_namespace(24)
 
 
 async def test_a_hybrid_models_window_chunks_are_found_through_probes_too(valkey: ValkeyServer) -> None:
