@@ -149,6 +149,22 @@ async def open_engine(
     return Engine(kv, cache, ns)
 
 
+async def shared_by_two(
+    stack: contextlib.AsyncExitStack,
+    remote: RemoteTierConfig,
+    keys: list[bytes],
+    seeds: tuple[int, int],
+    **b_fields: Any,
+) -> tuple[Engine, Engine, int]:
+    """Engines A and B on one server (B's config with ``b_fields``); A stores ``keys``
+    and drains (written through); the chunks of them B's probes then find."""
+    a = await open_engine(stack, kv_config(remote), seed=seeds[0])
+    b = await open_engine(stack, kv_config(remote, **b_fields), seed=seeds[1])
+    await a.store(keys)
+    await a.kv.drain()
+    return a, b, await b.discover(keys)
+
+
 def server_name(config: RemoteTierConfig, ns: Namespace, key: bytes, group: int = 0) -> bytes:
     return key_name(config.prefix.encode(), ns.fingerprint_hex, group, key)
 
@@ -189,11 +205,8 @@ async def test_concurrent_loads_of_a_remote_chunk_share_one_read(valkey: ValkeyS
     remote = remote_config(valkey)
     keys = prompt(4, start=50)
     async with contextlib.AsyncExitStack() as stack:
-        a = await open_engine(stack, kv_config(remote), seed=61)
-        b = await open_engine(stack, kv_config(remote), seed=62)
-        await a.store(keys)
-        await a.kv.drain()
-        assert await b.discover(keys) == 4
+        a, b, found = await shared_by_two(stack, remote, keys, (61, 62))
+        assert found == 4
         loaded = await asyncio.gather(*(b.load(keys, 4, first_chunk=c) for c in (8, 12, 16)))
         assert loaded == [4, 4, 4] and all(b.holds(c, a, 0, 4) for c in (8, 12, 16))
         [driver] = [d for d in b.kv.statistics().drivers if d.name == "remote"]
@@ -210,11 +223,8 @@ async def test_chunks_promoted_from_the_remote_tier_keep_their_prompt_order_for_
     remote = remote_config(valkey)
     keys = prompt(3, start=60)
     async with contextlib.AsyncExitStack() as stack:
-        a = await open_engine(stack, kv_config(remote), seed=63)
-        b = await open_engine(stack, kv_config(remote, cpu_chunks=3), seed=64)
-        await a.store(keys)
-        await a.kv.drain()
-        assert await b.discover(keys) == 3
+        _, b, found = await shared_by_two(stack, remote, keys, (63, 64), cpu_chunks=3)
+        assert found == 3
         assert await b.load(keys, 3, first_chunk=8) == 3
         b.kv.drain_events()
         await b.store(prompt(1, start=70), first_chunk=4)  # one slot is needed
@@ -244,11 +254,8 @@ async def test_a_chunk_the_server_lost_is_a_miss_that_keeps_the_good_prefix_and_
     remote = remote_config(valkey)
     keys = prompt(4, start=100)
     async with contextlib.AsyncExitStack() as stack:
-        a = await open_engine(stack, kv_config(remote), seed=3)
-        b = await open_engine(stack, kv_config(remote), seed=4)
-        await a.store(keys)
-        await a.kv.drain()
-        assert await b.discover(keys) == 4
+        a, b, found = await shared_by_two(stack, remote, keys, (3, 4))
+        assert found == 4
         valkey.client().unlink(server_name(remote, NS, keys[2]))  # evicted, say
         b.kv.drain_events()
 
@@ -266,11 +273,8 @@ async def test_a_corrupted_value_under_a_valid_key_is_a_miss_and_the_key_is_dele
     keys = prompt(3, start=200)
     admin = valkey.client()
     async with contextlib.AsyncExitStack() as stack:
-        a = await open_engine(stack, kv_config(remote), seed=5)
-        b = await open_engine(stack, kv_config(remote), seed=6)
-        await a.store(keys)
-        await a.kv.drain()
-        assert await b.discover(keys) == 3
+        a, b, found = await shared_by_two(stack, remote, keys, (5, 6))
+        assert found == 3
         name = server_name(remote, NS, keys[1])
         value = bytearray(admin.get(name))
         value[-1] ^= 0x01  # one payload bit: header and length still agree
@@ -349,11 +353,8 @@ async def test_a_chunk_loaded_from_the_remote_tier_is_written_through_to_nvme(
     remote = remote_config(valkey)
     keys = prompt(3, start=800)
     async with contextlib.AsyncExitStack() as stack:
-        a = await open_engine(stack, kv_config(remote), seed=12)
-        b = await open_engine(stack, kv_config(remote, cpu_chunks=3, nvme=tmp_path), seed=13)
-        await a.store(keys)
-        await a.kv.drain()
-        assert await b.discover(keys) == 3
+        a, b, found = await shared_by_two(stack, remote, keys, (12, 13), cpu_chunks=3, nvme=tmp_path)
+        assert found == 3
         assert await b.load(keys, 3, first_chunk=8) == 3
         await b.kv.drain()
         assert b.kv.statistics().bytes_moved["cpu->nvme"] == 3 * CHUNK_BYTES
