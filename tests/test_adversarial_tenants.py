@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import torch
 from conftest import make_namespace
 from test_manager_data import engine_cache, same_blocks
 
@@ -37,13 +38,18 @@ def config(root: Path) -> TieredKVConfig:
     )
 
 
+async def store_the_tenants_prompt(kv: TieredKV, cache: list[torch.Tensor]) -> None:
+    """Register the model, then store the tenant's prompt from blocks 0..15, drained."""
+    await kv.register(NS, [cache])
+    await kv.store(TENANT, request_id="s", keys=[PROMPT_KEYS], block_ids=[list(range(16))])
+    await kv.finish_request("s")
+    await kv.drain()
+
+
 async def stored_by_the_tenant_then_restarted(root: Path) -> TieredKV:
     cache = engine_cache(64)
     async with TieredKV(config(root)) as kv:
-        await kv.register(NS, [cache])
-        await kv.store(TENANT, request_id="s", keys=[PROMPT_KEYS], block_ids=[list(range(16))])
-        await kv.finish_request("s")
-        await kv.drain()
+        await store_the_tenants_prompt(kv, cache)
         assert kv.lookup(TENANT, [PROMPT_KEYS]) == 4
     kv = TieredKV(config(root))
     await kv.register(NS, [cache])
@@ -72,10 +78,7 @@ async def test_before_a_restart_the_same_reads_are_misses(tmp_path: Path) -> Non
     because of the restart, not because of how they are arranged)."""
     cache = engine_cache(64)
     async with TieredKV(config(tmp_path)) as kv:
-        await kv.register(NS, [cache])
-        await kv.store(TENANT, request_id="s", keys=[PROMPT_KEYS], block_ids=[list(range(16))])
-        await kv.finish_request("s")
-        await kv.drain()
+        await store_the_tenants_prompt(kv, cache)
         assert kv.lookup(NS, [PROMPT_KEYS]) == 0
         assert (
             await kv.load(NS, request_id="l", keys=[PROMPT_KEYS], block_ids=[list(range(32, 48))], num_tokens=64) == 0
