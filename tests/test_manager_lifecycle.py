@@ -4,8 +4,10 @@ tenants coming and going, a multi-group store that is rejected."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
+import msgspec
 import pytest
 from conftest import make_namespace, mla_geometry
 from test_manager_control import CHUNK, NS, blocks_for, config, gpu_tensors, keys_for, open_harness, settle
@@ -15,6 +17,7 @@ from tiered_kv import (
     KVGeometry,
     KVGroup,
     Namespace,
+    NamespacePolicyConfig,
     NvmeTierConfig,
     TieredKV,
     TieredKVConfig,
@@ -253,8 +256,12 @@ async def test_a_cpu_tier_larger_than_memory_is_a_typed_error_and_leaves_the_bud
 class _SlowSlabTiers(NullTiers):
     """Null drivers whose cpu slab takes a while to make, as page-locking gigabytes does."""
 
+    def __init__(self, delay_s: float = 0.3) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
     def cpu(self, namespace: Namespace, group: int, slot_bytes: int, num_slots: int) -> NullTier:
-        time.sleep(0.3)
+        time.sleep(self.delay_s)
         return super().cpu(namespace, group, slot_bytes, num_slots)
 
 
@@ -275,3 +282,43 @@ async def test_register_makes_the_cpu_slab_off_the_event_loop() -> None:
         await kv.register(NS, gpu_tensors())
         task.cancel()
         assert ticks >= 5, f"the loop ran {ticks} times in the 0.3 s the slab took"
+
+
+async def test_registrations_opening_pools_at_once_share_the_capacity_instead_of_each_taking_it() -> None:
+    """Regression: two models registered with ``gather`` each took the whole cpu tier
+    (32 chunks of 16 allocated) and left the budget negative for the next one."""
+    models = [make_namespace(model_id=f"acme/m{i}") for i in range(3)]
+    async with TieredKV(config(cpu_chunks=16, nvme_chunks=None), tiers=NullTiers()) as kv:
+        outcomes = await asyncio.gather(*(kv.register(ns, gpu_tensors()) for ns in models[:2]), return_exceptions=True)
+        assert outcomes[0] is None and isinstance(outcomes[1], ConfigError), outcomes
+        assert kv.statistics().tiers[0].capacity_chunks == 16
+        with pytest.raises(ConfigError):
+            await kv.register(models[2], gpu_tensors())
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_concurrent_registrations_with_deadlines_never_hand_out_more_than_the_tiers(seed: int) -> None:
+    """Many models registered at once, some with a budget of their own, some cancelled by
+    a deadline and retried: the pools opened never hold more than the configured tiers,
+    and every refusal is a typed error."""
+    rng = random.Random(seed)
+    models = [make_namespace(model_id=f"acme/m{i}") for i in range(6)]
+    budgets = {ns.model_id: NamespacePolicyConfig(cpu_bytes=CHUNK * rng.randint(1, 8)) for ns in models[::2]}
+    cfg = msgspec.structs.replace(config(cpu_chunks=24, nvme_chunks=48), namespaces=budgets)
+
+    async def register(ns: Namespace) -> None:
+        for _ in range(3):
+            try:
+                async with asyncio.timeout(rng.choice([None, 0, 0.001])):
+                    await kv.register(ns, gpu_tensors())
+                return
+            except TimeoutError:
+                await asyncio.sleep(0)
+            except TieredKVError:
+                return
+
+    async with TieredKV(cfg, tiers=_SlowSlabTiers(delay_s=0.002)) as kv:
+        await asyncio.gather(*(register(ns) for ns in models))
+        await kv.drain()
+        tiers = {tier.tier: tier.capacity_chunks for tier in kv.statistics().tiers}
+        assert tiers["cpu"] <= 24 and tiers.get("nvme", 0) <= 48, tiers

@@ -342,6 +342,11 @@ class TieredKV:
                 f"cpu budget {cpu_budget} B cannot hold one chunk of {base.model_id} ({all_groups_bytes} B)",
                 field="cpu_bytes",
             )
+        # Reserved before the first await, so that registrations opening pools meanwhile
+        # share what is left with this one; given back if the opening fails.
+        self._cpu_left -= cpu_budget
+        self._nvme_left -= nvme_budget
+        self._ranks_opened[model] += 1
         opened: list[_Drivers] = []
         try:
             for group in range(len(geometry.groups)):
@@ -355,13 +360,14 @@ class TieredKV:
                 self._control.remove_pools(base)
                 raise
         except BaseException:
+            # A failed registration leaves nothing: its drivers closed, its budget given back.
+            self._cpu_left += cpu_budget
+            self._nvme_left += nvme_budget
+            self._ranks_opened[model] -= 1
             for drivers in opened:
                 for driver in drivers.stores():
                     await driver.close()
             raise
-        # Committed only once every group's drivers are open: a failed registration leaves nothing.
-        self._cpu_left -= cpu_budget
-        self._nvme_left -= nvme_budget
         for pool, drivers in zip(pools, opened, strict=True):
             self._drivers[pool.id] = drivers
             log.info(
@@ -374,7 +380,6 @@ class TieredKV:
                 remote=drivers.remote is not None,
             )
         self._ranks[base.fingerprint_hex] = set()
-        self._ranks_opened[model] += 1
 
     async def _restore(self, pool: Pool, recovered: dict[ChunkKey, int]) -> None:
         """A warm restart's chunks into the pool's nvme index, a batch at a time, giving the
