@@ -328,8 +328,10 @@ def test_a_corrupted_chunk_on_disk_is_recomputed_with_identical_output(
     phases = from_nvme["phases"]
     assert phases["warm2"]["tokens"] == baseline["phases"]["cold"]["tokens"]
     external = _external(phases["warm2"])
-    # Only the chunks before the corrupt one came from disk; the engine computed the rest.
-    assert external["disk"] == external["hits"] < from_nvme["prefix_tokens"]
+    # Only the chunks before the corrupt one came from tiered-kv; the engine computed the rest.
+    # They come from disk, or from cpu where the fillers' promotions left them in the 6-chunk
+    # tier: which of them fit there depends on when each promotion finished.
+    assert external["host"] + external["disk"] == external["hits"] < from_nvme["prefix_tokens"]
     assert external["hits"] % CHUNK_TOKENS == 0
     [nvme] = [d for d in from_nvme["statistics"]["statistics"]["drivers"] if d["name"] == "nvme"]
     assert nvme["errors"] == 1  # the one verification that failed, and nothing else
