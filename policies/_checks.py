@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from itertools import repeat
+from typing import TypeVar
+
 from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import PolicyError
 from tiered_kv.keys import ChunkKey
@@ -18,6 +22,33 @@ def check_count(n: int) -> None:
     """Reject a negative (or non-integer) number of victims."""
     if not is_int_at_least(n, 0):
         raise PolicyError(f"cannot evict {n!r} keys; n must be a non-negative integer")
+
+
+V = TypeVar("V")
+
+
+def add_new(
+    order: dict[ChunkKey, V],
+    keys: Sequence[ChunkKey],
+    value: V,
+    resident: Callable[[ChunkKey], bool],
+    *elsewhere: dict[ChunkKey, V],
+) -> None:
+    """Append ``keys`` to ``order``, each mapped to ``value``, in one C-level update: the
+    bulk insert of a policy whose resident keys are those of ``order`` and
+    ``elsewhere`` plus the few for which ``resident`` (its parked keys) is true. Changes
+    nothing and raises :class:`PolicyError` if a key is resident or listed twice."""
+    if not all(d.keys().isdisjoint(keys) for d in (order, *elsewhere)):
+        raise duplicate(next(key for key in keys if any(key in d for d in (order, *elsewhere))))
+    clash = next(filter(resident, keys), None)
+    if clash is not None:
+        raise duplicate(clash)
+    before = len(order)
+    order.update(zip(keys, repeat(value)))
+    if len(order) != before + len(keys):
+        for key in keys:  # none of them was there before
+            order.pop(key, None)
+        raise PolicyError("a key is listed twice in one insert_many")
 
 
 def duplicate(key: ChunkKey) -> PolicyError:

@@ -23,11 +23,11 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from tiered_kv.keys import ChunkKey
-from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
+from tiered_kv.policies._checks import add_new, check_capacity, check_count, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
 from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
 
@@ -95,6 +95,14 @@ class ARC:
         else:
             t1[key] = parent
             self._trim_ghosts()
+
+    def insert_many(self, keys: Sequence[ChunkKey]) -> None:
+        if self._b1 or self._b2:  # a key may be a ghost, which insert moves to T2
+            add_new({}, keys, None, self.__contains__)
+            for key in keys:
+                self.insert(key)
+            return
+        add_new(self._t1, keys, None, self._links.is_parked, self._t2)
 
     def _trim_ghosts(self) -> None:
         """After a new key: keep |T1| + |B1| <= c, else the whole directory <= 2c (case IV)."""

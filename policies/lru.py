@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from tiered_kv.keys import ChunkKey
-from tiered_kv.policies._checks import check_capacity, check_count, duplicate
+from tiered_kv.policies._checks import add_new, check_capacity, check_count, duplicate
 from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
 
 #: Marks "not in the order" where a predecessor (a key or ``None``) is expected.
@@ -53,6 +53,9 @@ class LRU:
         if parent is not None:
             self._links.link(key, parent)
         order[key] = parent
+
+    def insert_many(self, keys: Sequence[ChunkKey]) -> None:
+        add_new(self._order, keys, None, self._links.is_parked)
 
     def touch(self, key: ChunkKey) -> None:
         try:

@@ -17,10 +17,10 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tiered_kv.keys import ChunkKey
-from tiered_kv.policies._checks import check_capacity, check_count, duplicate, missing
+from tiered_kv.policies._checks import add_new, check_capacity, check_count, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
 from tiered_kv.policies.prefix import PrefixLinks, Victims
 
@@ -112,6 +112,16 @@ class S3FIFO:
             state[key] = 0
             self._small.append(key)
             self._n_small += 1
+
+    def insert_many(self, keys: Sequence[ChunkKey]) -> None:
+        if self._ghost:  # a key may be a ghost, which insert moves to main
+            add_new({}, keys, 0, self.__contains__)
+            for key in keys:
+                self.insert(key)
+            return
+        add_new(self._state, keys, 0, self._links.is_parked)
+        self._small.extend(keys)
+        self._n_small += len(keys)
 
     def touch(self, key: ChunkKey) -> None:
         state = self._state

@@ -109,3 +109,36 @@ def test_a_chunk_counted_in_another_share_is_read_only_by_its_own_namespace() ->
     assert index.ready_for(key, "tenant-c") and not index.ready_for(key, TENANTS[0])
     assert index.drop(key) >= 0
     index.check()
+
+
+@pytest.mark.parametrize("takes_the_map", [True, False])
+def test_a_warm_restart_in_batches_restores_every_chunk_and_then_works_as_usual(takes_the_map: bool) -> None:
+    index, _ = make(8)
+    chunks = {bytes([i]) * 16: slot for i, slot in enumerate([6, 1, 4, 0, 3])}
+    keys, slots = list(chunks), list(chunks.values())
+    index.begin_restore(chunks if takes_the_map else None)
+    for start in range(0, len(keys), 2):
+        index.restore_many(keys[start : start + 2], slots[start : start + 2], TENANTS[0])
+    index.settle()
+    index.check()
+    assert [index.slot(key) for key in keys] == slots
+    assert all(index.ready_for(key, TENANTS[0]) for key in keys)
+    reserved = index.reserve([b"n" * 16, b"m" * 16], TENANTS[0])  # free slots first, nothing evicted
+    assert sorted(reserved.slots.values()) == [2, 5] and reserved.evicted == []
+    assert index.reserve([b"o" * 16, b"p" * 16], TENANTS[0]).evicted[0].key == keys[0]  # the oldest goes first
+    index.check()
+
+
+def test_a_warm_restart_that_misses_a_batch_or_starts_on_a_used_index_is_refused() -> None:
+    index, _ = make(4)
+    chunks = {b"a" * 16: 0, b"b" * 16: 1}
+    with pytest.raises(TieredKVError, match="without begin_restore"):
+        index.restore_many(list(chunks), list(chunks.values()), TENANTS[0])
+    index.begin_restore(chunks)
+    index.restore_many([b"a" * 16], [0], TENANTS[0])
+    with pytest.raises(TieredKVError, match="1 chunks restored of the 2"):
+        index.settle()
+    used, _ = make(4)
+    used.reserve([b"c" * 16], TENANTS[0])
+    with pytest.raises(TieredKVError, match="empty index"):
+        used.begin_restore({b"a" * 16: 0})

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import ClassVar
+from collections.abc import Callable, Iterator
+from typing import ClassVar, cast
 
 import pytest
 from hypothesis import settings
@@ -12,6 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tiered_kv.errors import ConfigError, PolicyError, UnknownPluginError
 from tiered_kv.partition import TierPartition
+from tiered_kv.policies import LRU
+from tiered_kv.registry import POLICIES
 from tiered_kv.testing import chunk_key
 
 _ids = itertools.count()
@@ -213,3 +216,55 @@ class PartitionMachine(RuleBasedStateMachine):
 
 TestPartitionMachine = PartitionMachine.TestCase
 TestPartitionMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class _KeyByKey:
+    """A plug-in policy with the protocol's methods only (no ``insert_many``): LRU's order."""
+
+    name = "key-by-key"
+
+    def __init__(self, capacity: int, **_: object) -> None:
+        self._inner = LRU(capacity)
+        self.inserted: list[bytes] = []
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._inner
+
+    def insert(self, key: bytes, parent: bytes | None = None) -> None:
+        self._inner.insert(key, parent)
+        self.inserted.append(key)
+
+    def touch(self, key: bytes) -> None:
+        self._inner.touch(key)
+
+    def remove(self, key: bytes) -> None:
+        self._inner.remove(key)
+
+    def evict(self, n: int, protected: Callable[[bytes], bool]) -> list[bytes] | None:
+        return self._inner.evict(n, protected)
+
+
+@pytest.fixture
+def key_by_key() -> Iterator[None]:
+    POLICIES.register(_KeyByKey.name, _KeyByKey)
+    yield
+    POLICIES.unregister(_KeyByKey.name)
+
+
+@pytest.mark.usefixtures("key_by_key")
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", _KeyByKey.name])
+def test_a_warm_restarts_batches_keep_their_order_in_every_policy(policy: str) -> None:
+    tier = TierPartition("nvme", 10)
+    tier.add_namespace("a", policy)
+    first, second = fresh(4), fresh(3)
+    tier.insert_many("a", first)
+    tier.insert_many("a", second)
+    assert tier.used == 7 and resident(tier, "a", first + second) == first + second
+    if policy == _KeyByKey.name:
+        assert cast(_KeyByKey, tier.policy("a")).inserted == first + second
+    assert tier.make_room("a", 5, lambda key: False) == {"a": first[:2]}  # the oldest first
+    with pytest.raises(PolicyError, match="full"):
+        tier.insert_many("a", fresh(6))

@@ -305,10 +305,17 @@ class ControlPlane:
         for pool in self._by_base.pop(base.fingerprint_hex, []):
             del self.pools[pool.id]
 
+    def begin_restore(self, pool: Pool, chunks: dict[ChunkKey, int] | None = None) -> None:
+        """Start a warm restart of what a reopened nvme store holds: :meth:`restore` each
+        batch, then :meth:`restored`. ``chunks`` (key → slot of all of it) is taken over
+        as the pool's index, and the batches are its items; without it, each batch adds
+        its own (see :meth:`TierIndex.begin_restore`)."""
+        assert pool.nvme is not None
+        pool.nvme.begin_restore(chunks)
+
     def restore(self, pool: Pool, keys: Sequence[ChunkKey], slots: Sequence[int]) -> None:
-        """Record a batch of the chunks a reopened nvme store holds (keys, their slots);
-        :meth:`restored` after the last batch. A warm restart cannot tell which tenant
-        stored a chunk: they belong to the model's own namespace."""
+        """Record a batch of the chunks :meth:`begin_restore` named. A warm restart cannot
+        tell which tenant stored a chunk: they belong to the model's own namespace."""
         assert pool.nvme is not None
         pool.nvme.restore_many(keys, slots, pool.fingerprint)
 

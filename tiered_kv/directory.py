@@ -96,6 +96,10 @@ class TierIndex:
         self._parent: list[ChunkKey | None] = [None] * n
         self._partition = partition
         self._pinned = 0
+        #: Chunks recorded so far by a warm restart in progress (``None``: none is), and
+        #: whether it took its map from the caller.
+        self._restoring: int | None = None
+        self._took_map = False
 
     # -- reading -----------------------------------------------------------------------
     @property
@@ -273,23 +277,48 @@ class TierIndex:
         self._allocator.claim(slot)
         self._occupy(key, slot, owner, owner if namespace is None else namespace, READY, parent)
 
+    def begin_restore(self, chunks: dict[ChunkKey, int] | None = None) -> None:
+        """Start a warm restart into this index, which must hold nothing yet; then
+        :meth:`restore_many` batch by batch, and :meth:`settle`.
+
+        ``chunks``, key → slot of every chunk the store holds, becomes the index's map
+        as it is, not copied (the caller gives it up), so that a million chunks cost the
+        loop no dict building; the batches are then its items. Without it, each batch
+        adds its own chunks to the map."""
+        if self._slots or self._partition.used or self._restoring is not None:
+            raise TieredKVError(f"{self.tier}: a warm restart starts from an empty index")
+        if chunks is not None:
+            self._slots = chunks
+        self._restoring = 0
+        self._took_map = chunks is not None
+
     def restore_many(self, keys: Sequence[ChunkKey], slots: Sequence[int], namespace: str) -> None:
-        """Record READY chunks of ``namespace`` (their own share) already held in ``slots``:
-        a warm restart, a batch at a time, in C-speed steps where Python allows. Call
-        :meth:`settle` after the last batch, before anything else."""
-        before = len(self._slots)
-        self._slots.update(zip(keys, slots, strict=True))
-        if len(self._slots) != before + len(keys):
-            raise TieredKVError(f"{self.tier}: a restored chunk is already resident")
+        """Record READY chunks of ``namespace`` (their own share) held in ``slots``, a
+        batch of the restart :meth:`begin_restore` began, in C-speed steps where Python
+        allows."""
+        if self._restoring is None:
+            raise TieredKVError(f"{self.tier}: restore_many without begin_restore")
+        if not self._took_map:
+            before = len(self._slots)
+            self._slots.update(zip(keys, slots, strict=True))
+            if len(self._slots) != before + len(keys):
+                raise TieredKVError(f"{self.tier}: a restored chunk is already resident")
         self._allocator.claim_many(slots)
         np.frombuffer(self._state, dtype=np.uint8)[np.asarray(slots, dtype=np.int64)] = READY
         names = self._namespace
         for slot in slots:
             names[slot] = namespace
         self._partition.insert_many(namespace, keys)
+        self._restoring += len(keys)
 
     def settle(self) -> None:
-        """End a warm restart's :meth:`restore_many` batches: the free slots are known."""
+        """End a warm restart's :meth:`restore_many` batches: every chunk
+        :meth:`begin_restore` took is recorded, and the free slots are known."""
+        if self._restoring is not None and self._restoring != len(self._slots):
+            raise TieredKVError(
+                f"{self.tier}: {self._restoring} chunks restored of the {len(self._slots)} the restart began with"
+            )
+        self._restoring = None
         self._allocator.settle()
 
     def hit(self, key: ChunkKey) -> int:

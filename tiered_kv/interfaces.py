@@ -232,6 +232,19 @@ class CachePolicy(Protocol):
         ...
 
 
+@runtime_checkable
+class BulkInsertPolicy(CachePolicy, Protocol):
+    """A policy that can also take many keys in one call, which a warm restart uses for
+    the chunks it recovers (none of them continuing another, as the slot map keeps no
+    predecessors); a policy without it gets one :meth:`~CachePolicy.insert` per key."""
+
+    def insert_many(self, keys: Sequence[ChunkKey]) -> None:
+        """:meth:`~CachePolicy.insert` of each of ``keys`` in turn, with no predecessor;
+        changes nothing and raises :class:`~tiered_kv.errors.PolicyError` if one is
+        resident already or listed twice."""
+        ...
+
+
 class CachePolicyFactory(Protocol):
     """How the core builds a policy found by name: ``cls(capacity, clock=..., rng=...)``.
 

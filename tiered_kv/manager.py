@@ -383,8 +383,10 @@ class TieredKV:
 
     async def _restore(self, pool: Pool, recovered: dict[ChunkKey, int]) -> None:
         """A warm restart's chunks into the pool's nvme index, a batch at a time, giving the
-        event loop back between batches: a store of a million chunks must not hold it."""
+        event loop back between batches: a store of a million chunks must not hold it.
+        The index takes ``recovered`` over, as the driver built it off the loop."""
         keys, slots = list(recovered), list(recovered.values())
+        self._control.begin_restore(pool, recovered)
         for start in range(0, len(keys), RESTORE_BATCH):
             stop = start + RESTORE_BATCH
             self._control.restore(pool, keys[start:stop], slots[start:stop])

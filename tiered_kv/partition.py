@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import ConfigError, PolicyError
-from tiered_kv.interfaces import CachePolicy
+from tiered_kv.interfaces import BulkInsertPolicy, CachePolicy
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policy_factory import make_policy
 
@@ -144,12 +144,14 @@ class TierPartition:
 
     def insert_many(self, namespace: str, keys: Sequence[ChunkKey]) -> None:
         """:meth:`insert` of each of ``keys``, in order (a warm restart's batches)."""
-        share = self._share(namespace)
+        policy = self._share(namespace).policy
         if self._used + len(keys) > self.capacity:
             raise PolicyError(f"tier {self.tier} is full ({self.capacity} chunks); make room first")
-        insert = share.policy.insert
-        for key in keys:
-            insert(key)
+        if isinstance(policy, BulkInsertPolicy):
+            policy.insert_many(keys)
+        else:
+            for key in keys:
+                policy.insert(key)
         self._used += len(keys)
 
     def touch(self, namespace: str, key: ChunkKey) -> None:

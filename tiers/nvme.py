@@ -437,8 +437,9 @@ class NvmeTier(DriverBase):
     def recovered(self) -> dict[ChunkKey, int]:
         """Key → slot of every chunk that reopening the store restored, as its slot map
         lists them (reads verify each). Built at open and handed out as it is, not
-        copied; the first write or forget releases it, after which this raises
-        :class:`TierError` (what the store holds has changed)."""
+        copied: the caller may keep it as its own index. The first write or forget
+        releases it, after which this raises :class:`TierError` (what the store holds
+        has changed)."""
         if self._recovered is None:
             raise TierError("the chunks recovered at open are known until the first write or forget", tier=self.name)
         return self._recovered

@@ -13,21 +13,22 @@ Two parts, both driven through the protocol only:
   the resident keys and their predecessors, checking after every step: size never above
   capacity, protected keys never evicted, every victim's resident successors evicted
   with it, eviction refused exactly when no such set of ``n`` keys exists and then
-  changing nothing, no key lost or duplicated.
+  changing nothing, no key lost or duplicated; and that a bulk ``insert_many`` (where a
+  policy has one) leaves it choosing the victims that one insert per key would.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tiered_kv.errors import PolicyError
-from tiered_kv.interfaces import CachePolicy
+from tiered_kv.interfaces import BulkInsertPolicy, CachePolicy
 from tiered_kv.keys import KEY_BYTES, ChunkKey
 
 PolicyMaker = Callable[[int], CachePolicy]
@@ -113,6 +114,22 @@ class CachePolicyContract:
         with pytest.raises(PolicyError):
             policy.insert(chunk_key(1))
         assert len(policy) == 3
+
+    def test_a_bulk_insert_of_a_resident_parked_or_repeated_key_changes_nothing(self) -> None:
+        policy = self.new()
+        if not isinstance(policy, BulkInsertPolicy):
+            pytest.skip(f"{policy.name} has no insert_many")
+        head, tail, other, fresh = map(chunk_key, range(4))
+        insert_chain(policy, [head, tail])
+        policy.insert(other)
+        # The head is passed over (it has a successor), the tail is protected.
+        assert policy.evict(1, {tail}.__contains__) == [other]
+        for keys in ([fresh, head], [fresh, tail], [fresh, fresh]):
+            with pytest.raises(PolicyError):
+                policy.insert_many(keys)
+            assert fresh not in policy and len(policy) == 2
+        policy.insert_many([fresh, other])
+        assert len(policy) == 4 and {fresh, other} <= set(drain(policy))
 
     def test_touching_or_removing_an_absent_key_is_an_error(self) -> None:
         policy = self.filled(3)
@@ -311,10 +328,14 @@ def policy_state_machine(
 ) -> type[RuleBasedStateMachine]:
     """A state machine checking ``make(capacity)`` against a model of its resident keys.
 
-    Use its ``TestCase`` as a test class. Keys come from a pool of ``key_space`` so that
-    evicted keys return (exercising ghosts and hit counters). Each insert names a
-    predecessor drawn from the keys before it in the pool (or none), so predecessors form
-    a forest, resident or not, as chained chunk keys do.
+    A twin policy gets the same calls, except that it takes the keys of an
+    ``insert_many`` (where the policy has one) one :meth:`insert` at a time: the two
+    must choose the same victims throughout. Use its ``TestCase`` as a test class.
+
+    Keys come from a pool of ``key_space`` so that evicted keys return (exercising
+    ghosts and hit counters). Each insert names a predecessor drawn from the keys before
+    it in the pool (or none), so predecessors form a forest, resident or not, as chained
+    chunk keys do.
     """
     pool = [chunk_key(i) for i in range(key_space)]
     indices = st.integers(0, key_space - 1)
@@ -323,6 +344,7 @@ def policy_state_machine(
         def __init__(self) -> None:
             super().__init__()
             self.policy = make(capacity)
+            self.twin = make(capacity)
             #: Resident key -> the predecessor it was inserted with.
             self.model: dict[ChunkKey, ChunkKey | None] = {}
 
@@ -349,6 +371,18 @@ def policy_state_machine(
                 kept = [s for s in self.successors(key) if s not in gone]
                 assert not kept, f"evicted {key.hex()} but kept its successors {kept}"
 
+        def make_room(self, n: int) -> None:
+            """Evict what storing ``n`` more keys needs, as an owner does before it stores."""
+            over = len(self.model) + n - capacity
+            if over <= 0:
+                return
+            victims = self.policy.evict(over, never)
+            assert victims is not None, f"{self.policy!r} refused to evict {over} of {len(self.model)} keys"
+            self.check_victims(victims, over, set(self.model))
+            assert self.twin.evict(over, never) == victims, "the twin chose other victims"
+            for key in victims:
+                del self.model[key]
+
         @rule(i=indices, parent=st.one_of(st.none(), st.integers(0, key_space - 1)))
         def insert(self, i: int, parent: int | None) -> None:
             key = pool[i]
@@ -356,19 +390,31 @@ def policy_state_machine(
             if key in self.model:
                 _raises_policy_error(self.policy.insert, key, before)
                 return
-            if len(self.model) == capacity:  # an owner makes room before it stores
-                victims = self.policy.evict(1, never)
-                assert victims is not None, f"{self.policy!r} refused to evict one of {len(self.model)} keys"
-                self.check_victims(victims, 1, set(self.model))
-                del self.model[victims[0]]
+            self.make_room(1)
             self.policy.insert(key, before)
+            self.twin.insert(key, before)
             self.model[key] = before
+
+        @precondition(lambda self: isinstance(self.policy, BulkInsertPolicy))
+        @rule(numbers=st.lists(indices, max_size=capacity))
+        def insert_many(self, numbers: list[int]) -> None:
+            keys = [pool[i] for i in numbers]
+            bulk = cast(BulkInsertPolicy, self.policy)
+            if len(set(keys)) < len(keys) or any(key in self.model for key in keys):
+                _raises_policy_error(bulk.insert_many, keys)  # changing nothing: the twin got nothing
+                return
+            self.make_room(len(keys))
+            bulk.insert_many(keys)
+            for key in keys:
+                self.twin.insert(key)
+                self.model[key] = None
 
         @rule(i=indices)
         def touch(self, i: int) -> None:
             key = pool[i]
             if key in self.model:
                 self.policy.touch(key)
+                self.twin.touch(key)
             else:
                 _raises_policy_error(self.policy.touch, key)
 
@@ -377,6 +423,7 @@ def policy_state_machine(
             key = pool[i]
             if key in self.model:
                 self.policy.remove(key)
+                self.twin.remove(key)
                 del self.model[key]
             else:
                 _raises_policy_error(self.policy.remove, key)
@@ -385,6 +432,7 @@ def policy_state_machine(
         def evict(self, n: int, protected: frozenset[ChunkKey]) -> None:
             candidates = self.evictable(protected)
             victims = self.policy.evict(n, protected.__contains__)
+            assert self.twin.evict(n, protected.__contains__) == victims, "the twin chose other victims"
             if len(candidates) < n:
                 assert victims is None, f"evicted {victims} though only {len(candidates)} keys could go"
                 return  # all-or-nothing: the invariant checks that nothing changed
@@ -399,7 +447,7 @@ def policy_state_machine(
 
         @invariant()
         def holds_exactly_the_model(self) -> None:
-            assert len(self.policy) == len(self.model) <= capacity
+            assert len(self.policy) == len(self.twin) == len(self.model) <= capacity
             assert {key for key in pool if key in self.policy} == set(self.model)
 
     PolicyMachine.TestCase.settings = settings(max_examples=max_examples, stateful_step_count=steps, deadline=None)

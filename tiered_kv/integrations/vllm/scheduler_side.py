@@ -174,6 +174,8 @@ class SchedulerSide:
         self._generation = 0
         self._nvme_open = False
         self._recovering = len(self.pools) if core is not None else 0
+        for pool in self.pools if core is not None else ():
+            self.control.begin_restore(pool)  # the batches arrive from the core's thread
         self._recovered = 0
         self._fenced = False
         self._wanted: dict[tuple[int, ChunkKey], _Wanted] = {}
