@@ -95,7 +95,6 @@ from tiered_kv.tiers.nvme_journal import (
     write_record,
 )
 
-_ZEROS = memoryview(bytes(HEADER_BYTES))
 #: Consecutive slots one ``pwritev`` writes at most (each takes two or three iovecs).
 COALESCE_OPS = 256
 #: A write call's bytes per thread hop, at least: a batch of small chunks goes to the
@@ -491,47 +490,52 @@ class NvmeTier(DriverBase):
         page-aligned memory of whole pages)."""
         return self.direct and (op.buffer.data_ptr() % PAGE != 0 or op.buffer.numel() % PAGE != 0)
 
-    def _payload(self, op: TransferOp, lane: _Lane) -> tuple[memoryview, memoryview | None]:
-        """The memory the disk transfers for ``op`` (padded for ``O_DIRECT``), and the
-        caller's bytes when that memory is a staging buffer instead."""
+    def _staging(self, op: TransferOp, lane: _Lane) -> tuple[memoryview, memoryview]:
+        """A staged op's memory for the disk (its payload padded for ``O_DIRECT``, in the
+        lane's staging buffer) and the caller's bytes."""
         data = bytes_of(op.buffer)
-        if not self._staged(op):
-            return data, None
         return lane.staged(round_up(len(data)), self.slot_stride - HEADER_BYTES), data
 
     def _write_run(self, ops: Sequence[TransferOp]) -> None:
         """Write ``ops``, each run of consecutive slots in one ``pwritev`` (a staged op alone)."""
         group: list[TransferOp] = []
         for op in sorted(ops, key=_slot_of):
-            if group and (op.slot != group[-1].slot + 1 or len(group) == COALESCE_OPS or self._staged(op)):
-                self._write_slots(group)
+            staged = self._staged(op)
+            if group and (staged or op.slot != group[-1].slot + 1 or len(group) == COALESCE_OPS):
+                self._write_slots(group, staged=False)
                 group = []
-            group.append(op)
-            if self._staged(op):
-                self._write_slots(group)
-                group = []
+            if staged:
+                self._write_slots([op], staged=True)
+            else:
+                group.append(op)
         if group:
-            self._write_slots(group)
+            self._write_slots(group, staged=False)
 
-    def _write_slots(self, ops: list[TransferOp]) -> None:
+    def _write_slots(self, ops: list[TransferOp], *, staged: bool) -> None:
         """Header and payload of each op, for consecutive slots, in one ``pwritev``; a
-        chunk shorter than a slot is followed by zeros up to the next slot."""
+        chunk shorter than a slot is followed by zeros up to the next slot. ``staged``:
+        one op, whose bytes go through the lane's staging buffer."""
         lane = self._lanes
         payload_room = self.slot_stride - HEADER_BYTES
+        headers, fingerprint = lane.headers, self._fingerprint
         iov: list[memoryview] = []
+        last = len(ops) - 1
         for i, op in enumerate(ops):
-            payload, user = self._payload(op, lane)
-            n = op.buffer.numel()
-            if user is not None:
-                payload[:n] = user
+            if staged:
+                payload, data = self._staging(op, lane)
+                n = len(data)
+                payload[:n] = data
                 payload[n:] = bytes(len(payload) - n)
-            checksum = payload_checksum(payload[:n])
-            header = pack_header(fingerprint=self._fingerprint, slot=op.slot, key=op.key, length=n, checksum=checksum)
-            block = lane.headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-            block[: len(header)] = header
-            block[len(header) :] = _ZEROS[len(header) :]
-            iov += [block, payload]
-            if i + 1 < len(ops) and len(payload) < payload_room:
+            else:
+                payload = data = bytes_of(op.buffer)
+                n = len(data)
+            header = pack_header(
+                fingerprint=fingerprint, slot=op.slot, key=op.key, length=n, checksum=payload_checksum(data)
+            )
+            at = i * HEADER_BYTES
+            headers[at : at + len(header)] = header  # keys are 16 bytes: so is every header, zeros after it
+            iov += [headers[at : at + HEADER_BYTES], payload]
+            if i < last and len(payload) < payload_room:
                 iov.append(lane.padding(payload_room - len(payload), payload_room))
         first = ops[0].slot
         try:
@@ -547,7 +551,7 @@ class NvmeTier(DriverBase):
 
     def _read_one(self, op: TransferOp) -> None:
         lane = self._lanes
-        payload, user = self._payload(op, lane)
+        payload, user = self._staging(op, lane) if self._staged(op) else (bytes_of(op.buffer), None)
         n = op.buffer.numel()
         try:
             done = os.preadv(self._fd, [lane.header, payload], op.slot * self.slot_stride)
