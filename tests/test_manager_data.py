@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import pytest
@@ -31,7 +32,7 @@ from tiered_kv import (
 )
 from tiered_kv.config import NvmeTierConfig as NvmeConfig
 from tiered_kv.config import RemoteTierConfig
-from tiered_kv.interfaces import HostTier, RecoverableTier, RemoteTier, TierDriver
+from tiered_kv.interfaces import HostTier, RecoverableTier, RemoteTier, TierDriver, TransferOp
 from tiered_kv.manager import RegistryTiers
 from tiered_kv.testing import FaultyTier
 
@@ -111,6 +112,77 @@ async def test_warm_restart_serves_chunks_from_nvme(tmp_path: Path) -> None:
         assert kv.lookup(NS, [keys]) == 3
         assert await kv.load(NS, request_id="b", keys=[keys], block_ids=[list(range(12))], num_tokens=48) == 48
         assert all(torch.equal(new[:12], old[:12]) for new, old in zip(fresh, cache, strict=True))
+
+
+class _LendingNvme:
+    """A plug-in nvme driver that keeps a key → slot map of its own and lends it from
+    ``recovered()`` (it has no ``take_recovered``): the core must leave the map alone."""
+
+    def __init__(self, inner: RecoverableTier) -> None:
+        self._inner = inner
+        self.index = dict(inner.recovered())
+        self._key_at = {slot: key for key, slot in self.index.items()}
+
+    def __getattr__(self, name: str) -> object:
+        if name == "take_recovered":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def recovered(self) -> dict[bytes, int]:
+        return self.index
+
+    async def write(self, ops: Sequence[TransferOp]) -> None:
+        await self._inner.write(ops)
+        for op in ops:
+            self._drop(op.slot)
+            self.index[op.key] = op.slot
+            self._key_at[op.slot] = op.key
+
+    def forget(self, slots: Sequence[int]) -> None:
+        self._inner.forget(slots)
+        for slot in slots:
+            self._drop(slot)
+
+    def _drop(self, slot: int) -> None:
+        key = self._key_at.pop(slot, None)
+        if key is not None:
+            del self.index[key]
+
+
+class _LendingTiers(RegistryTiers):
+    def __init__(self) -> None:
+        super().__init__()
+        self.nvme_drivers: list[_LendingNvme] = []
+
+    async def nvme(self, *args: object, **kwargs: object) -> RecoverableTier:  # type: ignore[override]
+        driver = _LendingNvme(await super().nvme(*args, **kwargs))  # type: ignore[arg-type]
+        self.nvme_drivers.append(driver)
+        return cast(RecoverableTier, driver)
+
+
+async def test_a_warm_restart_leaves_the_map_a_plug_in_driver_lends_alone(tmp_path: Path) -> None:
+    """Regression: the restart took over whatever dict ``recovered()`` returned as its
+    index, so a driver that keeps its own lost entries to the core's evictions."""
+    cache = engine_cache()
+    prompts = [chunk_keys(NS, list(range(p * 1000, p * 1000 + 48))) for p in range(4)]
+    async with TieredKV(config(tmp_path, cpu_chunks=8, nvme_chunks=8)) as kv:
+        await kv.register(NS, [cache])
+        for p in (0, 1):
+            await kv.store(NS, request_id=f"s{p}", keys=[prompts[p]], block_ids=[list(range(p * 12, p * 12 + 12))])
+            await kv.finish_request(f"s{p}")
+    tiers = _LendingTiers()
+    async with TieredKV(config(tmp_path, cpu_chunks=8, nvme_chunks=8), tiers=tiers) as kv:
+        await kv.register(NS, [cache])
+        [driver] = tiers.nvme_drivers
+        assert sorted(driver.index.values()) == list(range(6)) and kv.lookup(NS, [prompts[0]]) == 3
+        for p in (2, 3):  # fills nvme past its 8 chunks: restored chunks are evicted and their slots reused
+            await kv.store(NS, request_id=f"s{p}", keys=[prompts[p]], block_ids=[list(range(p * 12, p * 12 + 12))])
+            await kv.finish_request(f"s{p}")
+            await kv.drain()
+        kv.check_invariants()
+        assert len(driver.index) == len(set(driver.index.values())) == 8
+        assert await kv.load(NS, request_id="l", keys=[prompts[3]], block_ids=[list(range(48, 60))], num_tokens=48)
+        assert all(torch.equal(layer[48:60], layer[36:48]) for layer in cache)
 
 
 async def test_corrupt_chunk_on_nvme_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from conftest import make_namespace
 from nvme_snapshot import crash_copy
 from structlog.testing import capture_logs
 
-from tiered_kv.errors import ChunkKeyError, CorruptChunk, CorruptStore, TierFullError, TierIOError
+from tiered_kv.errors import ChunkKeyError, CorruptChunk, CorruptStore, TierError, TierFullError, TierIOError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.namespace import Namespace
 from tiered_kv.tiers.nvme import NvmeTier
@@ -82,6 +82,23 @@ async def test_a_reopened_store_serves_every_chunk_it_had(tmp_path: Path) -> Non
         assert torch.equal(await read_back(tier, s), data(s))
     [event] = [e for e in logs if e["event"] == "nvme.recovered"]
     assert (event["n_chunks"], event["dropped"]) == (SLOTS, 0)
+    await tier.close()
+
+
+async def test_the_recovered_map_once_taken_is_the_callers_alone(tmp_path: Path) -> None:
+    tier = await open_store(tmp_path)
+    await fill(tier, range(3))
+    await tier.close()
+    tier = await open_store(tmp_path)
+    lent = tier.recovered()
+    taken = tier.take_recovered()
+    assert taken is lent and taken == {key(s): s for s in range(3)}
+    with pytest.raises(TierError, match="until taken"):
+        tier.recovered()
+    taken.clear()  # the caller's to change: the driver reads and writes as before
+    assert torch.equal(await read_back(tier, 1), data(1))
+    await fill(tier, [1])
+    assert taken == {}
     await tier.close()
 
 

@@ -99,7 +99,8 @@ class RecoverableTier(TierDriver, Protocol):
     """A persistent tier that knows, after reopening, which chunk each slot holds (nvme)."""
 
     def recovered(self) -> dict[ChunkKey, int]:
-        """Key → slot of every chunk that reopening the store restored."""
+        """Key → slot of every chunk that reopening the store restored; the caller reads
+        it and leaves it as it is."""
         ...
 
     def forget(self, slots: Iterable[int]) -> None:
@@ -108,6 +109,18 @@ class RecoverableTier(TierDriver, Protocol):
 
     async def sync(self) -> None:
         """Make every write that has returned durable (:meth:`TieredKV.drain` awaits it)."""
+        ...
+
+
+@runtime_checkable
+class HandsOverRecovered(Protocol):
+    """A recoverable tier that can give its :meth:`~RecoverableTier.recovered` map away
+    instead of lending it, so that a warm restart of a million chunks builds no second
+    map on the event loop."""
+
+    def take_recovered(self) -> dict[ChunkKey, int]:
+        """The map :meth:`~RecoverableTier.recovered` returns, now the caller's to change:
+        the driver keeps no reference to it, and ``recovered`` raises from now on."""
         ...
 
 

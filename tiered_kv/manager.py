@@ -66,7 +66,15 @@ from tiered_kv.errors import (
     TieredKVError,
     TierError,
 )
-from tiered_kv.interfaces import HostTier, RecoverableTier, RemoteTier, TierDriver, TierFactory, TransferOp
+from tiered_kv.interfaces import (
+    HandsOverRecovered,
+    HostTier,
+    RecoverableTier,
+    RemoteTier,
+    TierDriver,
+    TierFactory,
+    TransferOp,
+)
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind
 from tiered_kv.log import bound_to_call, get_logger
@@ -355,7 +363,7 @@ class TieredKV:
             try:
                 for pool, drivers in zip(pools, opened, strict=True):
                     if drivers.nvme is not None:
-                        await self._restore(pool, drivers.nvme.recovered())
+                        await self._restore(pool, drivers.nvme)
             except BaseException:
                 self._control.remove_pools(base)
                 raise
@@ -381,12 +389,18 @@ class TieredKV:
             )
         self._ranks[base.fingerprint_hex] = set()
 
-    async def _restore(self, pool: Pool, recovered: dict[ChunkKey, int]) -> None:
+    async def _restore(self, pool: Pool, driver: RecoverableTier) -> None:
         """A warm restart's chunks into the pool's nvme index, a batch at a time, giving the
         event loop back between batches: a store of a million chunks must not hold it.
-        The index takes ``recovered`` over, as the driver built it off the loop."""
+        The index takes the driver's map over where the driver gives it away (it built
+        the map off the loop); otherwise each batch adds its chunks to the index's own."""
+        if isinstance(driver, HandsOverRecovered):
+            recovered = driver.take_recovered()
+            self._control.begin_restore(pool, recovered)
+        else:
+            recovered = driver.recovered()
+            self._control.begin_restore(pool)
         keys, slots = list(recovered), list(recovered.values())
-        self._control.begin_restore(pool, recovered)
         for start in range(0, len(keys), RESTORE_BATCH):
             stop = start + RESTORE_BATCH
             self._control.restore(pool, keys[start:stop], slots[start:stop])

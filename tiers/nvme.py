@@ -435,13 +435,22 @@ class NvmeTier(DriverBase):
     # -- nvme-specific -------------------------------------------------------------------
     def recovered(self) -> dict[ChunkKey, int]:
         """Key → slot of every chunk that reopening the store restored, as its slot map
-        lists them (reads verify each). Built at open and handed out as it is, not
-        copied: the caller may keep it as its own index. The first write or forget
-        releases it, after which this raises :class:`TierError` (what the store holds
-        has changed)."""
+        lists them (reads verify each). Built at open and lent as it is, not copied.
+        The first write or forget releases it, after which this raises
+        :class:`TierError` (what the store holds has changed), as it does once
+        :meth:`take_recovered` has given it away."""
         if self._recovered is None:
-            raise TierError("the chunks recovered at open are known until the first write or forget", tier=self.name)
+            raise TierError(
+                "the chunks recovered at open are known until the first write or forget, or until taken",
+                tier=self.name,
+            )
         return self._recovered
+
+    def take_recovered(self) -> dict[ChunkKey, int]:
+        """:meth:`recovered`, given away: the caller may keep it as its own index."""
+        recovered = self.recovered()
+        self._recovered = None
+        return recovered
 
     def forget(self, slots: Iterable[int]) -> None:
         """Drop ``slots`` (freed by the core) from the store: a read of them fails from now
