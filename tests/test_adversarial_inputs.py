@@ -7,6 +7,7 @@ docs/design.md ("Errors at the public API"): a call's bad input is a typed error
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -63,3 +64,28 @@ async def test_drain_events_with_a_count_that_is_not_an_integer_is_a_typed_error
         with pytest.raises(TieredKVError):
             kv.drain_events(max_events)
         assert len(kv.drain_events()) == 2  # nothing was lost
+
+
+async def test_a_store_plans_from_the_arguments_it_checked_though_the_caller_changes_them_meanwhile() -> None:
+    """Regression: a store waiting for queue room planned from the caller's own lists, so
+    a block table changed after the check (here to a block the cache does not have) went
+    unchecked to the copy, which failed in the background and took the manager down."""
+    cache = engine_cache(64)
+    async with TieredKV(
+        TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 8)), max_store_chunks=2
+    ) as kv:
+        await kv.register(NS, [cache])
+        first = chunk_keys(NS, list(range(32)))
+        await kv.store(NS, request_id="a", keys=[first], block_ids=[list(range(8))])  # holds all the room
+        keys, table = chunk_keys(NS, list(range(100, 116))), [8, 9, 10, 11]
+        waiting = asyncio.ensure_future(kv.store(NS, request_id="b", keys=[keys], block_ids=[table]))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # checked, and waiting for room
+        table[:] = [10**6 + i for i in range(4)]
+        keys[0] = b"not a chunk key"
+        assert (await waiting).submitted == 1
+        await kv.finish_request("a")
+        await kv.finish_request("b")
+        await kv.drain()
+        assert kv.lookup(NS, [chunk_keys(NS, list(range(100, 116)))]) == 1
+        kv.check_invariants()
