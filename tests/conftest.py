@@ -1,37 +1,10 @@
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator
-
 import pytest
 import structlog
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
 from tiered_kv.log import reset_loggers
-
-
-@contextlib.asynccontextmanager
-async def loop_turns() -> AsyncIterator[list[int]]:
-    """Count the turns another task gets on the event loop meanwhile: ``[n]``, read
-    after the block (whatever a test awaits inside it must give the loop back)."""
-    turns = [0]
-
-    async def other_task() -> None:
-        while True:
-            turns[0] += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.ensure_future(other_task())
-    await asyncio.sleep(0)
-    started = turns[0]
-    try:
-        yield turns
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        turns[0] -= started
 
 
 def make_namespace(**overrides: object) -> Namespace:

@@ -491,18 +491,14 @@ class ControlPlane:
         block_ids: Sequence[Sequence[int]],
         *,
         partial: bool = False,
-        start: int = 0,
-        stop: int | None = None,
     ) -> StorePlan:
         """Reserve cpu slots (PENDING) for the full chunks of ``keys`` that no tier holds.
 
         ``block_ids[g]`` is group ``g``'s block table from the prompt's first block; a
         negative id marks a block the engine no longer holds, and chunks touching one are
         skipped. All or nothing over the groups, unless ``partial``: then each group
-        stores the longest prefix of its chunks that fits. Only chunk positions
-        ``start … stop − 1`` are planned (a slice of a long prompt; each chunk's
-        predecessor is still the key before it). The caller checked the arguments' shape
-        and types (:mod:`tiered_kv.arguments`).
+        stores the longest prefix of its chunks that fits. The caller checked the
+        arguments' shape and types (:mod:`tiered_kv.arguments`).
         """
         pools = self.pools_of(namespace)
         fingerprint = namespace.fingerprint_hex
@@ -514,9 +510,7 @@ class ControlPlane:
             k = pool.blocks_per_chunk
             candidates = []
             seen = set()
-            end = len(group_keys) if stop is None else min(stop, len(group_keys))
-            for c in range(start, end):
-                key = group_keys[c]
+            for c, key in enumerate(group_keys):
                 blocks = tuple(table[c * k : (c + 1) * k])
                 if len(blocks) < k or min(blocks) < 0 or key in seen or pool.resident_anywhere(key):
                     skipped += 1

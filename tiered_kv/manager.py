@@ -89,9 +89,6 @@ log = get_logger("manager")
 
 #: Chunks a warm restart records between two returns to the event loop (about a ms).
 RESTORE_BATCH = 4096
-#: Chunk positions a store plans between two returns to the event loop (a few ms): a
-#: longer prompt is stored a slice at a time.
-STORE_SLICE = 1024
 
 
 class StoreResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -822,11 +819,6 @@ class TieredKV:
         ``block_ids[g]`` is group ``g``'s block table from the prompt's first block; a
         negative id marks a block the engine no longer holds (a sliding-window group's
         blocks behind the window), and chunks touching one are skipped.
-
-        A prompt of more than ``STORE_SLICE`` chunks is planned a slice of positions at
-        a time, giving the event loop back in between: should the cpu tier fill up
-        meanwhile, its leading slices are stored and the rest is skipped, and a store
-        cancelled in between keeps the slices it submitted.
         """
         self._check()
         keys, tables = self._store_arguments(namespace, request_id, keys, block_ids)
@@ -838,43 +830,7 @@ class TieredKV:
         except BaseException:
             self._store_budget.give(bound)
             raise
-        positions = max(map(len, keys), default=0)
-        if positions <= STORE_SLICE:
-            return self._submit_store(namespace, request_id, keys, tables, bound)
-        return await self._store_in_slices(namespace, request_id, keys, tables, bound, positions)
-
-    async def _store_in_slices(
-        self,
-        namespace: Namespace,
-        request_id: str,
-        keys: Sequence[Sequence[ChunkKey]],
-        tables: list[list[int]],
-        taken: int,
-        positions: int,
-    ) -> StoreResult:
-        """:meth:`store` of a long prompt, ``STORE_SLICE`` positions at a time; ``taken``
-        is the queue room held for all of it."""
-        submitted = skipped = 0
-        try:
-            for start in range(0, positions, STORE_SLICE):
-                stop = start + STORE_SLICE
-                part = sum(len(group_keys[start:stop]) for group_keys in keys)
-                taken -= part  # the slice's room is the slice's to give back
-                result = self._submit_store(namespace, request_id, keys, tables, part, start=start, stop=stop)
-                if result.rejected:
-                    if not submitted:
-                        return result  # nothing submitted, nothing changed
-                    # Its chunks and those after it are not stored.
-                    return StoreResult(submitted=submitted, skipped=skipped + part + taken)
-                submitted += result.submitted
-                skipped += result.skipped
-                if stop < positions:
-                    await asyncio.sleep(0)
-                    self._check()
-                    self._pools_of(namespace)
-        finally:
-            self._store_budget.give(taken)
-        return StoreResult(submitted=submitted, skipped=skipped)
+        return self._submit_store(namespace, request_id, keys, tables, bound)
 
     def store_nowait(
         self,
@@ -884,8 +840,7 @@ class TieredKV:
         keys: Sequence[Sequence[ChunkKey]],
         block_ids: Sequence[Sequence[int]],
     ) -> StoreResult:
-        """:meth:`store` that raises :class:`BusyError` instead of waiting for queue room;
-        being synchronous, it plans the whole prompt in one step, however long."""
+        """:meth:`store` that raises :class:`BusyError` instead of waiting for queue room."""
         self._check()
         keys, tables = self._store_arguments(namespace, request_id, keys, block_ids)
         bound = sum(len(k) for k in keys)
@@ -896,10 +851,9 @@ class TieredKV:
         self, namespace: Namespace, request_id: str, keys: Sequence[Sequence[ChunkKey]], block_ids: object
     ) -> tuple[list[list[ChunkKey]], list[list[int]]]:
         """Check a store's arguments before it takes queue room: every key a chunk key,
-        every block id an integer, the blocks of the chunks inside the rank's KV cache,
-        none of them twice. Copies of the keys and of the block tables (as ints), which
-        the store plans from: a caller that changes its lists while the store waits for
-        room, or between the slices of a long prompt, changes nothing."""
+        every block id an integer, the blocks of the chunks inside the rank's KV cache.
+        Copies of the keys and of the block tables (as ints), which the store plans from:
+        a caller that changes its lists while the store waits for room changes nothing."""
         pools = self._pools_of(namespace)
         require_request_id(request_id)
         copies = [list(group_keys) for group_keys in per_group(keys, len(pools), "keys", ChunkKeyError)]
@@ -908,11 +862,8 @@ class TieredKV:
         ]
         for pool, group_keys, table in zip(pools, copies, tables, strict=True):
             require_keys(group_keys)
-            named = table[: len(group_keys) * pool.blocks_per_chunk]
-            copied = named if not named or min(named) >= 0 else [b for b in named if b >= 0]
+            copied = [b for b in table[: len(group_keys) * pool.blocks_per_chunk] if b >= 0]
             blocks_in_range(copied, self._drivers[pool.id].gpus[namespace.tp_rank].num_slots)
-            if len(set(copied)) != len(copied):  # checked here for all of a prompt planned in slices
-                raise BlockTableError("a GPU block appears in two chunks to be stored")
         return copies, tables
 
     def _submit_store(
@@ -922,16 +873,11 @@ class TieredKV:
         keys: Sequence[Sequence[ChunkKey]],
         block_ids: list[list[int]],
         taken: int,
-        *,
-        start: int = 0,
-        stop: int | None = None,
     ) -> StoreResult:
-        """Plan and start the copies of chunk positions ``start … stop − 1`` (all by
-        default); ``taken`` is their queue room, given back but for what runs."""
         # Events of this store, in its background tasks too, carry the request and namespace.
         with bound_to_call(request_id=request_id, namespace=namespace.fingerprint_hex):
             try:
-                plan = self._control.plan_store(namespace, keys, block_ids, start=start, stop=stop)
+                plan = self._control.plan_store(namespace, keys, block_ids)
             except BaseException:
                 self._store_budget.give(taken)
                 raise
