@@ -56,3 +56,39 @@ def test_claiming_every_slot_of_a_warm_restart_in_any_order_leaves_none_free() -
     for slot in [*range(1, 1000, 2), *range(998, -1, -2)]:
         allocator.claim(slot)
     assert allocator.free == 0 and allocator.allocate(1) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    num_slots=st.integers(1, 40),
+    batches=st.lists(st.lists(st.integers(-2, 42), max_size=12), max_size=6),
+)
+def test_bulk_claims_take_what_claims_one_at_a_time_take_and_refuse_bad_batches_whole(
+    num_slots: int, batches: list[list[int]]
+) -> None:
+    """A warm restart's batches: a slot out of range, already taken or named twice in a
+    batch refuses the whole batch and changes nothing; the rest ends as single claims do."""
+    bulk, single = SlotAllocator(num_slots), SlotAllocator(num_slots)
+    taken: set[int] = set()
+    for batch in batches:
+        fine = all(0 <= s < num_slots for s in batch) and len(set(batch)) == len(batch) and not taken & set(batch)
+        if not fine:
+            with pytest.raises(TieredKVError):
+                bulk.claim_many(batch)
+            continue
+        bulk.claim_many(batch)
+        for slot in batch:
+            single.claim(slot)
+        taken |= set(batch)
+    bulk.settle()
+    assert bulk.free == single.free == num_slots - len(taken)
+    assert sorted(bulk.allocate(bulk.free) or []) == sorted(set(range(num_slots)) - taken)
+
+
+def test_a_refused_bulk_claim_leaves_a_settled_allocator_as_it_was() -> None:
+    allocator = SlotAllocator(8)
+    with pytest.raises(TieredKVError, match="twice"):
+        allocator.claim_many([3, 5, 3])
+    allocator.claim(5)
+    allocator.claim(3)
+    assert sorted(allocator.allocate(6) or []) == [0, 1, 2, 4, 6, 7]

@@ -76,9 +76,17 @@ class SlotAllocator:
         numpy rather than O(N) Python steps. Until then, nothing may be allocated."""
         at = np.frombuffer(self._at, dtype=self._dtype)
         index = np.asarray(slots, dtype=np.int64)
-        if index.size and (index.min() < 0 or index.max() >= self.num_slots or (at[index] == _TAKEN).any()):
+        if not index.size:
+            return
+        if index.min() < 0 or index.max() >= self.num_slots or (at[index] == _TAKEN).any():
             raise TieredKVError("a claimed slot is not free, or not a slot")
-        if np.unique(index).size != index.size:
+        # A slot named twice keeps only the later of two distinct marks: read them back
+        # (no sort), and put the slots back as they were if one is missing.
+        before = at[index]
+        marks = np.arange(index.size, dtype=self._dtype)
+        at[index] = marks
+        if not np.array_equal(at[index], marks):
+            at[index] = before
             raise TieredKVError("a slot is claimed twice")
         at[index] = _TAKEN
         self._unsettled = True
