@@ -48,7 +48,21 @@ def add_new(
     if len(order) != before + len(keys):
         for key in keys:  # none of them was there before
             order.pop(key, None)
-        raise PolicyError("a key is listed twice in one insert_many")
+        raise repeated()
+
+
+def check_new(keys: Sequence[ChunkKey], resident: Callable[[ChunkKey], bool]) -> None:
+    """:class:`PolicyError`, changing nothing, if one of ``keys`` is resident or listed
+    twice: the check of a bulk insert that then inserts key by key."""
+    clash = next(filter(resident, keys), None)
+    if clash is not None:
+        raise duplicate(clash)
+    if len(set(keys)) != len(keys):
+        raise repeated()
+
+
+def repeated() -> PolicyError:
+    return PolicyError("a key is listed twice in one insert_many")
 
 
 def duplicate(key: ChunkKey) -> PolicyError:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from tiered_kv.keys import ChunkKey
-from tiered_kv.policies._checks import add_new, check_capacity, check_count, duplicate, missing
+from tiered_kv.policies._checks import add_new, check_capacity, check_count, check_new, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
 from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
 
@@ -98,7 +98,7 @@ class ARC:
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         if self._b1 or self._b2:  # a key may be a ghost, which insert moves to T2
-            add_new({}, keys, None, self.__contains__)
+            check_new(keys, self.__contains__)
             for key in keys:
                 self.insert(key)
             return

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from tiered_kv.keys import ChunkKey
-from tiered_kv.policies._checks import add_new, check_capacity, check_count, duplicate, missing
+from tiered_kv.policies._checks import add_new, check_capacity, check_count, check_new, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
 from tiered_kv.policies.prefix import PrefixLinks, Victims
 
@@ -115,7 +115,7 @@ class S3FIFO:
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         if self._ghost:  # a key may be a ghost, which insert moves to main
-            add_new({}, keys, 0, self.__contains__)
+            check_new(keys, self.__contains__)
             for key in keys:
                 self.insert(key)
             return

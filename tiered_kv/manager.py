@@ -400,10 +400,12 @@ class TieredKV:
         else:
             recovered = driver.recovered()
             self._control.begin_restore(pool)
-        keys, slots = list(recovered), list(recovered.values())
-        for start in range(0, len(keys), RESTORE_BATCH):
-            stop = start + RESTORE_BATCH
-            self._control.restore(pool, keys[start:stop], slots[start:stop])
+        # Taken a batch at a time from the map itself: a copy of a million keys would hold
+        # the loop for tens of ms. Nothing changes the map meanwhile (the pool serves no
+        # call before register returns).
+        keys, slots = iter(recovered), iter(recovered.values())
+        while batch := list(itertools.islice(keys, RESTORE_BATCH)):
+            self._control.restore(pool, batch, list(itertools.islice(slots, len(batch))))
             await asyncio.sleep(0)
         self._control.restored(pool)
 
