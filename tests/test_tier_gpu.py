@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import random
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tiered_kv.errors import TierIOError
 from tiered_kv.interfaces import TransferOp
@@ -349,3 +353,94 @@ async def test_a_load_is_visible_to_the_compute_stream_once_awaited() -> None:
     assert int(cache[list(CHUNK_BLOCKS[1])].sum()) == 9 * BPC * (1 << 16)
     await tier.close()
     await cpu.close()
+
+
+@st.composite
+def scattered_jobs(draw: st.DrawFn) -> dict[str, object]:
+    """A KV cache of random shape, element size and byte offset, and a job of ops over
+    random slots of a slab, each with distinct random blocks from a random position."""
+    bpc = draw(st.integers(1, 3))
+    first = draw(st.integers(0, bpc - 1))
+    n = draw(st.integers(1, bpc - first))
+    chunks = draw(st.integers(1, 4))
+    slots = draw(st.lists(st.integers(0, 5), min_size=chunks, max_size=chunks, unique=True))
+    num_blocks = chunks * n + draw(st.integers(0, 3))
+    return {
+        "layers": draw(st.integers(1, 3)),
+        "shape": (draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 5))),
+        "dtype": draw(st.sampled_from([torch.uint8, torch.float16, torch.float32])),
+        "offset": draw(st.sampled_from([0, 1, 2, 4])),  # elements before the cache in its allocation
+        "fused": draw(st.booleans()),
+        "bpc": bpc,
+        "first": first,
+        "slots": slots,
+        "blocks": draw(st.permutations(range(num_blocks)))[: chunks * n],
+        "num_blocks": num_blocks,
+        "n": n,
+    }
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(job=scattered_jobs())
+async def test_a_gather_or_scatter_of_any_layout_moves_the_same_bytes_as_a_copy_per_block(
+    job: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Randomized: whatever the element size and alignment of the cache (narrowed to bytes
+    where a wider element does not fit), the slots of the job (one step apart or not) and the
+    blocks per op, a job moved as gathers and scatters reads each op's buffer as the
+    reference layout and writes exactly its blocks, leaving every other block as it was."""
+    monkeypatch.setattr(gpu, "GATHER_BELOW_BYTES", 1 << 40)
+    layers, dtype, nb = job["layers"], job["dtype"], job["num_blocks"]
+    if job["fused"]:  # [layers, 2, num_blocks, ...] in one allocation after `offset` elements
+        size = layers * 2 * nb * math.prod(job["shape"])
+        flat = _filled((size + job["offset"],), dtype, "cpu", 1)
+        tensors, block_dim = [flat[job["offset"] :].view(layers, 2, nb, *job["shape"])], 2
+    else:
+        size = 2 * nb * math.prod(job["shape"])
+        flats = [_filled((size + job["offset"],), dtype, "cpu", 2 + i) for i in range(layers)]
+        tensors, block_dim = [f[job["offset"] :].view(2, nb, *job["shape"]) for f in flats], 1
+    tier = GpuTier(tensors, blocks_per_chunk=job["bpc"], block_dim=block_dim)
+    slab = PinnedCpuTier(tier.chunk_bytes, 6)
+    n, first = job["n"], job["first"]
+    ops = [
+        TransferOp(buffer=slab.view(slot), blocks=tuple(job["blocks"][i * n : (i + 1) * n]), first_block=first)
+        for i, slot in enumerate(job["slots"])
+    ]
+    piece = tier.slot_bytes // (2 * layers)
+    section = slice(first * piece, (first + n) * piece)
+
+    def op_bytes(op: TransferOp) -> torch.Tensor:
+        """The op's part of its buffer: its blocks' range of every tensor's section."""
+        return op.buffer.view(2 * layers, job["bpc"] * piece)[:, section]
+
+    await tier.read(ops)
+    for op in ops:
+        want = reference_chunk(tensors, block_dim, op.blocks).view(2 * layers, n * piece)
+        assert torch.equal(op_bytes(op), want)
+    before = [t.clone() for t in tensors]
+    for i, op in enumerate(ops):
+        op_bytes(op).copy_(torch.randint(0, 256, (2 * layers, n * piece), dtype=torch.uint8).add_(i))
+    await tier.write(ops)
+    moved = {block: op for op in ops for block in op.blocks}
+    for block in range(nb):
+        mover = moved.get(block)
+        if mover is None:
+            assert torch.equal(
+                reference_chunk(tensors, block_dim, [block]), reference_chunk(before, block_dim, [block])
+            )
+        else:
+            at = mover.blocks.index(block)
+            want = op_bytes(mover).reshape(2 * layers, n, piece)[:, at].flatten()
+            assert torch.equal(reference_chunk(tensors, block_dim, [block]), want)
+    await tier.close()
+    await slab.close()
+
+
+def test_bytes_move_in_the_widest_element_both_sides_allow() -> None:
+    flat = torch.zeros(64, dtype=torch.uint8)
+    rows = flat[:48].view(3, 16)
+    assert [t.dtype for t in gpu._widest(rows, flat[16:].view(3, 16))] == [torch.int64, torch.int64]
+    assert [t.dtype for t in gpu._widest(rows, flat[4:52].view(3, 16))] == [torch.int32, torch.int32]
+    assert [t.dtype for t in gpu._widest(rows, flat[1:49].view(3, 16))] == [torch.uint8, torch.uint8]
+    assert gpu._widest(flat[:60].view(5, 12))[0].dtype == torch.int32  # 12-byte rows
+    assert gpu._widest(flat[:30].as_strided((3, 8), (10, 1)))[0].dtype == torch.int16  # rows 10 bytes apart

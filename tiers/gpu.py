@@ -149,6 +149,23 @@ def _stretches(ops: Sequence[TransferOp], chunk_bytes: int) -> list[_Stretch]:
     return stretches
 
 
+#: Element types by width, widest first, for moving bytes in larger units.
+_WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
+def _widest(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` (uint8, last dimension contiguous) viewed as the widest integer element
+    whose size divides every one's address, strides and last dimension; as they are where
+    none wider than a byte does."""
+    for width, dtype in _WIDTHS:
+        if all(
+            t.data_ptr() % width == 0 and t.shape[-1] % width == 0 and all(s % width == 0 for s in t.stride()[:-1])
+            for t in tensors
+        ):
+            return tuple(t.view(dtype) for t in tensors)
+    return tensors
+
+
 class GpuTier(DriverBase):
     """Copies whole engine blocks between the engine's KV tensors and chunk buffers."""
 
@@ -249,19 +266,10 @@ class GpuTier(DriverBase):
             runs = _runs(blocks, 0)
             copies = len(runs) * len(self._segments)
             if len(runs) > 1 and len(blocks) * self.slot_bytes < copies * GATHER_BELOW_BYTES:
-                index = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=non_blocking)
-                for seg in self._segments:
-                    count, _, piece = seg.cache.shape
-                    host = buffer.as_strided(
-                        (count, m, n, piece),
-                        (bpc * piece, stride, piece, 1),
-                        base + seg.offset + op.first_block * piece,
-                    )
-                    if to_host:
-                        host.copy_(seg.cache.index_select(1, index).view(count, m, n, piece), non_blocking=non_blocking)
-                    else:
-                        staged = host.reshape(count, m * n, piece).to(self.device, non_blocking=non_blocking)
-                        seg.cache.index_copy_(1, index, staged)
+                if self.cuda:
+                    self._gather_staged(op, m, stride, blocks, to_host)
+                else:
+                    self._gather(op, m, stride, blocks, to_host)
                 continue
             for i in range(m) if len(runs) > 1 else [0]:
                 # One run over the whole stretch: its m ops are one copy; else each op's runs.
@@ -285,6 +293,48 @@ class GpuTier(DriverBase):
             torch._foreach_copy_(hosts, caches, non_blocking=non_blocking)
         else:
             torch._foreach_copy_(caches, hosts, non_blocking=non_blocking)
+
+    def _gather(self, op: TransferOp, m: int, stride: int, blocks: list[int], to_host: bool) -> None:
+        """A stretch's blocks in one gather (``index_select``) or scatter (``index_copy_``)
+        per KV tensor group, on one device: straight into the chunk buffers and out of them,
+        in the widest element (up to 8 bytes) that both sides' offsets and strides allow,
+        since indexing byte by byte is several times slower. A stretch whose blocks do not lie
+        at one step in the buffers (several blocks per op) takes one call per op."""
+        buffer, base, n = op.buffer, op.buffer.storage_offset(), len(op.blocks)
+        bpc = self.blocks_per_chunk
+        index = torch.tensor(blocks, dtype=torch.long)
+        for seg in self._segments:
+            count, _, piece = seg.cache.shape
+            start = base + seg.offset + op.first_block * piece
+            if n == 1 or stride == n * piece:
+                spans = [(start, m * n, stride if n == 1 else piece, index)]
+            else:
+                spans = [(start + i * stride, n, piece, index[i * n : (i + 1) * n]) for i in range(m)]
+            for at, rows, step, rows_index in spans:
+                host = buffer.as_strided((count, rows, piece), (bpc * piece, step, 1), at)
+                cache, host = _widest(seg.cache, host)
+                if to_host:
+                    torch.index_select(cache, 1, rows_index, out=host)
+                else:
+                    cache.index_copy_(1, rows_index, host)
+
+    def _gather_staged(self, op: TransferOp, m: int, stride: int, blocks: list[int], to_host: bool) -> None:
+        """:meth:`_gather` across devices: the blocks are gathered on the device into one
+        tensor per KV tensor group and copied to the buffers, or copied from them and
+        scattered there."""
+        buffer, base, n = op.buffer, op.buffer.storage_offset(), len(op.blocks)
+        bpc = self.blocks_per_chunk
+        index = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
+        for seg in self._segments:
+            count, _, piece = seg.cache.shape
+            host = buffer.as_strided(
+                (count, m, n, piece), (bpc * piece, stride, piece, 1), base + seg.offset + op.first_block * piece
+            )
+            if to_host:
+                host.copy_(seg.cache.index_select(1, index).view(count, m, n, piece), non_blocking=True)
+            else:
+                staged = host.reshape(count, m * n, piece).to(self.device, non_blocking=True)
+                seg.cache.index_copy_(1, index, staged)
 
     def _copy_cuda(self, ops: Sequence[TransferOp], to_host: bool, ready: torch.cuda.Event) -> None:
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
