@@ -51,11 +51,26 @@ def test_the_index_agrees_with_a_model_through_random_operations(seed: int) -> N
                 model[k] = [PENDING, 0, tenant, -1]
             assert len(set(reservation.slots.values())) == len(want)
         elif action == 1 and key in model and model[key][0] == PENDING:
-            index.mark_ready(key)
-            model[key][0] = READY
+            if rng.random() < 0.5:
+                index.mark_ready(key)
+                model[key][0] = READY
+            else:  # every pending chunk at once, as a store's copy completes
+                pending = [k for k, v in model.items() if v[0] == PENDING]
+                assert index.mark_ready_many(pending) == [model[k][2] for k in pending]
+                for k in pending:
+                    model[k][0] = READY
         elif action == 2 and key in model:
-            index.pin(key)
-            model[key][1] += 1
+            if rng.random() < 0.5:
+                index.pin(key)
+                model[key][1] += 1
+            else:  # a copy out of the tier pins a batch and learns each one's slot, owner, namespace
+                batch = rng.sample(sorted(model), rng.randint(1, len(model)))
+                copies = index.pin_for_copy(batch)
+                assert [(c.key, c.slot, c.owner, c.namespace) for c in copies] == [
+                    (k, index.slot(k), model[k][2], model[k][2]) for k in batch
+                ]
+                for k in batch:
+                    model[k][1] += 1
         elif action == 3 and key in model and model[key][1]:
             index.unpin(key)
             model[key][1] -= 1
@@ -98,6 +113,12 @@ def test_a_reserved_key_must_not_be_resident_and_a_tier_without_leases_refuses_o
     assert no_leases.hit(key) == 0
     with pytest.raises(TieredKVError, match="no leases"):
         no_leases.lease(key)
+    with pytest.raises(TieredKVError, match="already ready"):
+        no_leases.mark_ready_many([key])
+    with pytest.raises(TieredKVError, match="not resident"):
+        no_leases.mark_ready_many([b"x" * 16])
+    with pytest.raises(TieredKVError, match="not resident"):
+        no_leases.pin_for_copy([b"x" * 16])
 
 
 def test_a_chunk_counted_in_another_share_is_read_only_by_its_own_namespace() -> None:
@@ -107,6 +128,9 @@ def test_a_chunk_counted_in_another_share_is_read_only_by_its_own_namespace() ->
     index.mark_ready(key)
     assert index.owner(key) == TENANTS[0] and index.namespace(key) == "tenant-c"
     assert index.ready_for(key, "tenant-c") and not index.ready_for(key, TENANTS[0])
+    (copy,) = index.pin_for_copy([key])
+    assert (copy.owner, copy.namespace) == (TENANTS[0], "tenant-c")
+    index.unpin(key)
     assert index.drop(key) >= 0
     index.check()
 

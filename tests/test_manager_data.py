@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -481,3 +482,61 @@ async def test_wrong_group_counts_and_huge_token_counts_are_typed(tmp_path: Path
                 await kv.load(NS, request_id="l", keys=[keys], block_ids=[list(range(40, 56))], num_tokens=tokens) == 0
             )  # type: ignore[arg-type]
         assert kv.statistics().loads_rejected["span"] == 3
+
+
+async def _store_prompts(kv: TieredKV, cache: list[torch.Tensor], sizes: Sequence[int]) -> list[list[bytes]]:
+    """Store prompts of ``sizes`` chunks, one after the other, each from its own blocks."""
+    prompts, block = [], 0
+    for p, n in enumerate(sizes):
+        keys = chunk_keys(NS, [p * 100_000 + i for i in range(16 * n)])
+        await kv.store(NS, request_id=f"s{p}", keys=[keys], block_ids=[list(range(block, block + 4 * n))])
+        await kv.finish_request(f"s{p}")
+        await kv.drain()
+        prompts.append(keys)
+        block += 4 * n
+    return prompts
+
+
+async def test_a_write_back_load_from_nvme_loads_every_chunk_its_lookup_found(tmp_path: Path) -> None:
+    """Regression: cpu and nvme of 8 chunks, write-back. A prompt of 5 chunks, pushed to
+    nvme by one of 8, is looked up at 5 and loaded: each promotion evicts a cpu chunk,
+    whose spill to nvme once evicted the prompt's own last chunk before its promotion had
+    started (the load came back with 4)."""
+    cache = engine_cache(128)
+    async with TieredKV(config(tmp_path, cpu_chunks=8, nvme_chunks=8, write_policy=WritePolicy.WRITE_BACK)) as kv:
+        await kv.register(NS, [cache])
+        first, _ = await _store_prompts(kv, cache, [5, 8])
+        assert kv.lookup(NS, [first]) == 5
+        table = list(range(100, 120))
+        assert await kv.load(NS, request_id="l", keys=[first], block_ids=[table], num_tokens=80) == 80
+        assert same_blocks(cache, range(20), table)
+        kv.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(40))
+async def test_a_quiet_lookup_is_what_the_next_load_loads(tmp_path: Path, seed: int) -> None:
+    """Randomized: small cpu and nvme tiers, write-back or write-through, prompts of random
+    sizes stored and then looked up and loaded in random order with nothing else running.
+    Every load brings exactly the chunks its lookup counted, bit-exact."""
+    rng = random.Random(seed)
+    write_policy = rng.choice([WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH])
+    cpu, nvme = rng.choice([2, 3, 4, 6, 8]), rng.choice([4, 8, 16])
+    sizes = [rng.randint(1, 8) for _ in range(rng.randint(1, 4))]
+    cache = engine_cache(4 * sum(sizes) + 32)
+    target = list(range(4 * sum(sizes), 4 * sum(sizes) + 32))
+    async with TieredKV(config(tmp_path, cpu_chunks=cpu, nvme_chunks=nvme, write_policy=write_policy)) as kv:
+        await kv.register(NS, [cache])
+        prompts = await _store_prompts(kv, cache, sizes)
+        starts = [sum(sizes[:p]) * 4 for p in range(len(sizes))]
+        order = list(range(len(sizes))) * 2
+        rng.shuffle(order)
+        for p in order:
+            await kv.drain()
+            hits = kv.lookup(NS, [prompts[p]])
+            loaded = await kv.load(
+                NS, request_id="l", keys=[prompts[p]], block_ids=[target[: 4 * hits]], num_tokens=16 * hits
+            )
+            await kv.finish_request("l")
+            assert loaded == 16 * hits, (p, hits, loaded)
+            assert same_blocks(cache, range(starts[p], starts[p] + 4 * hits), target[: 4 * hits])
+            kv.check_invariants()

@@ -25,6 +25,7 @@ then returns the good prefix before it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import time
@@ -95,6 +96,9 @@ class Pool:
         self.hint = hint
         #: Tenant namespaces (fingerprints) that have a share in this pool's partitions.
         self.owners: set[str] = set()
+        #: nvme chunks that loads are waiting to promote, by claims: writes to nvme do not
+        #: evict them for room (a load would come back without a chunk its lookup counted).
+        self.promoting: collections.Counter[ChunkKey] = collections.Counter()
 
     def indexes(self) -> list[TierIndex]:
         return [self.cpu] if self.nvme is None else [self.cpu, self.nvme]
@@ -614,9 +618,11 @@ class ControlPlane:
             for key, _ in group.chunks:
                 pool.cpu.drop(key)
             return []
-        for key, _ in group.chunks:
-            pool.cpu.mark_ready(key)
-            self.telemetry.emit(KVEventKind.STORED, "cpu", group.namespace, pool.group, key)
+        keys = [key for key, _ in group.chunks]
+        pool.cpu.mark_ready_many(keys)
+        emit = self.telemetry.emit
+        for key in keys:
+            emit(KVEventKind.STORED, "cpu", group.namespace, pool.group, key)
         self.telemetry.bytes_moved["gpu->cpu"] += pool.chunk_bytes * len(group.chunks)
         if pool.policy.write_policy is WritePolicy.WRITE_THROUGH and (pool.nvme is not None or pool.hint is not None):
             return [key for key, _ in group.chunks]
@@ -629,10 +635,7 @@ class ControlPlane:
         if pool.nvme is None:
             return None
         wanted = [key for key in keys if pool.cpu.is_ready(key) and key not in pool.nvme]
-        chunks = [
-            Victim(key, pool.cpu.pin(key), pool.cpu.owner(key), pool.cpu.namespace(key), pool.cpu.parent(key))
-            for key in wanted
-        ]
+        chunks = pool.cpu.pin_for_copy(wanted)
         write = self._plan_nvme_write(pool, chunks, pinned=wanted)
         if write is None:
             for key in wanted:
@@ -657,7 +660,9 @@ class ControlPlane:
         for owner, namespace in dict.fromkeys((chunk.owner, chunk.namespace) for chunk in chunks):
             mine = [(c.key, c.slot) for c in chunks if (c.owner, c.namespace) == (owner, namespace)]
             parents = {c.key: c.parent for c in chunks}
-            reservation = pool.nvme.reserve((key for key, _ in mine), owner, namespace, parents=parents)
+            reservation = pool.nvme.reserve(
+                (key for key, _ in mine), owner, namespace, parents=parents, keep=pool.promoting
+            )
             if reservation is None:
                 log.info("tier.full", tier="nvme", namespace=owner, n_chunks=len(mine))
                 continue
@@ -672,13 +677,13 @@ class ControlPlane:
         nvme slots whose contents the store must stop vouching for."""
         pool = write.pool
         assert pool.nvme is not None
-        for key in write.pinned:
-            pool.cpu.unpin(key)
+        pool.cpu.unpin_many(write.pinned)
         if not ok:
             return [pool.nvme.drop(key) for key, _, _ in write.chunks]
-        for key, _, _ in write.chunks:
-            pool.nvme.mark_ready(key)
-            self.telemetry.emit(KVEventKind.STORED, "nvme", pool.nvme.namespace(key), pool.group, key)
+        keys = [key for key, _, _ in write.chunks]
+        emit = self.telemetry.emit
+        for key, namespace in zip(keys, pool.nvme.mark_ready_many(keys), strict=True):
+            emit(KVEventKind.STORED, "nvme", namespace, pool.group, key)
         self.telemetry.bytes_moved["cpu->nvme"] += pool.chunk_bytes * len(write.chunks)
         return []
 

@@ -13,7 +13,7 @@ and, optionally, a quota of chunks another namespace's traffic cannot take.
 from __future__ import annotations
 
 import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -187,10 +187,12 @@ class TierIndex:
         namespace: str | None = None,
         *,
         parents: Mapping[ChunkKey, ChunkKey | None] | None = None,
+        keep: Container[ChunkKey] = (),
     ) -> Reservation | None:
         """PENDING slots for ``keys`` (none of them resident) of ``namespace`` (default:
         ``owner``), counted in ``owner``'s share, evicting unpinned READY chunks the
-        partition allows; ``None``, changing nothing, when there is no room.
+        partition allows, other than those in ``keep``; ``None``, changing nothing, when
+        there is no room.
 
         ``parents`` names each key's predecessor (the key of the previous chunk position of
         its prompt); keys it leaves out start a prefix. A predecessor resident here is
@@ -206,7 +208,11 @@ class TierIndex:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         # The new chunks' resident predecessors stay, and with them every chunk before them.
         kept = {parent for parent in map(parent_of, wanted) if parent is not None and parent in self._slots}
-        protected = self._is_protected if not kept else lambda key: key in kept or self._is_protected(key)
+        protected = (
+            self._is_protected
+            if not kept and not keep
+            else lambda key: key in kept or key in keep or self._is_protected(key)
+        )
         victims = self._partition.make_room(owner, len(wanted), protected, self._parent_of)
         if victims is None:
             return None
@@ -255,6 +261,20 @@ class TierIndex:
         if self._state[slot] == READY:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already ready")
         self._state[slot] = READY
+
+    def mark_ready_many(self, keys: Iterable[ChunkKey]) -> list[str]:
+        """:meth:`mark_ready` on each of ``keys``; the namespaces they belong to, in order."""
+        state, names = self._state, self._namespace
+        namespaces = []
+        for key in keys:
+            slot = self._require(key)
+            if state[slot] == READY:
+                raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already ready")
+            state[slot] = READY
+            namespace = names[slot]
+            assert namespace is not None
+            namespaces.append(namespace)
+        return namespaces
 
     def drop(self, key: ChunkKey) -> int:
         """Forget an unpinned chunk (a failed write, or an explicit removal); its slot."""
@@ -347,6 +367,19 @@ class TierIndex:
             self._pinned += 1
         self._pins[slot] = pins + 1
         return slot
+
+    def pin_for_copy(self, keys: Iterable[ChunkKey]) -> list[Victim]:
+        """Pin each of ``keys`` (resident) while its bytes are copied out of this tier; what
+        the copy needs of each: its slot, owner, namespace and predecessor."""
+        names, parents, other = self._namespace, self._parent, self._other_owner
+        pin = self.pin
+        chunks = []
+        for key in keys:
+            slot = pin(key)
+            namespace = names[slot]
+            assert namespace is not None
+            chunks.append(Victim(key, slot, other.get(slot, namespace), namespace, parents[slot]))
+        return chunks
 
     def pin_ready_run(self, keys: Sequence[ChunkKey], namespace: str) -> int:
         """Pin the leading run of ``keys`` READY for ``namespace``; how many (a load's

@@ -664,6 +664,7 @@ class TieredKV:
                     name=f"promote-{key.hex()[:8]}",
                 )
                 self._promotion_claims[handle] += 1  # the promotion pins the chunk for each claim
+                pool.promoting[key] += 1  # and until it has, no write to nvme evicts it
                 steps.append((key, task))
             else:
                 break
@@ -718,8 +719,19 @@ class TieredKV:
             self._promotion_claims[handle] -= 1
             if self._promotion_claims[handle] <= 0:
                 del self._promotion_claims[handle]
+            self._unclaim(pool, key, 1)
         elif not task.cancelled() and task.exception() is None and task.result() is not None:
             self._control.unpin(pool, key)
+
+    @staticmethod
+    def _unclaim(pool: Pool, key: ChunkKey, claims: int) -> None:
+        """Settled or given-up claims on a promotion of ``key``: nvme may evict it again once
+        no load waits for it."""
+        left = pool.promoting[key] - claims
+        if left > 0:
+            pool.promoting[key] = left
+        else:
+            pool.promoting.pop(key, None)
 
     @staticmethod
     async def _promoted(task: asyncio.Task[str | None]) -> str | None:
@@ -753,6 +765,7 @@ class TieredKV:
                 source = "remote" if await self._read_remote_into_cpu(plan, tenant) else None
         finally:
             claims = self._promotion_claims.pop((pool.fingerprint, pool.group, key, namespace), 0)
+            self._unclaim(pool, key, claims)
         if source is not None:
             for _ in range(claims):
                 self._control.pin(pool, key)
@@ -1218,8 +1231,21 @@ class TieredKV:
         return self._telemetry.drain_events(max_events)
 
     def check_invariants(self) -> None:
-        """Raise if any residency index contradicts itself (for tests and debugging)."""
+        """Raise if any residency index contradicts itself, or the nvme chunks kept for
+        promotions differ from the loads' claims on them (for tests and debugging)."""
         self._control.verify_invariants()
+        claimed: collections.Counter[tuple[str, int, ChunkKey]] = collections.Counter()
+        for (fingerprint, group, key, _), claims in self._promotion_claims.items():
+            claimed[fingerprint, group, key] += claims
+        kept = collections.Counter(
+            {
+                (pool.fingerprint, pool.group, key): n
+                for pool in self._control.pools.values()
+                for key, n in pool.promoting.items()
+            }
+        )
+        if kept != claimed:
+            raise TieredKVError(f"nvme chunks kept for promotions {dict(kept)} differ from the claims {dict(claimed)}")
 
     # -- helpers -----------------------------------------------------------------------
     def _transfer_failed(self, path: str, pool: Pool, request_id: str | None, exc: TierError) -> None:

@@ -134,7 +134,7 @@ def check_buffer(buffer: torch.Tensor, *, max_bytes: int, exact: bool = False) -
     """Bytes of a host buffer that is 1-D, contiguous, ``uint8`` and on the CPU."""
     import torch
 
-    if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or buffer.dim() != 1 or not buffer.is_contiguous():
+    if buffer.dtype is not torch.uint8 or not buffer.is_cpu or buffer.ndim != 1 or not buffer.is_contiguous():
         raise ValueError(
             f"a host buffer is a 1-D contiguous uint8 CPU tensor, got {buffer.dtype} "
             f"{list(buffer.shape)} on {buffer.device}"

@@ -109,7 +109,8 @@ class PinnedCpuTier(DriverBase):
             if code != 0:
                 raise tier_error(self.name, "page-locking the slab", RuntimeError(f"cudaHostRegister error {code}"))
             self._unpin = weakref.finalize(self, _unregister, slab.data_ptr())
-        self._slots = slab.view(num_slots, self.slot_stride)
+        #: Each slot's ``slot_bytes`` (of its ``slot_stride``), one row each.
+        self._rows = slab.view(num_slots, self.slot_stride)[:, :slot_bytes]
         self._executor = worker_pool("cpu", COPY_WORKERS)
         log.debug(
             "cpu.opened",
@@ -124,7 +125,7 @@ class PinnedCpuTier(DriverBase):
         """Slot ``slot`` as a zero-copy, page-aligned ``uint8`` tensor of ``slot_bytes``."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is outside this tier's {self.num_slots} slots")
-        return self._slots[slot, : self.slot_bytes]
+        return self._rows[slot]
 
     async def read(self, ops: Sequence[TransferOp]) -> None:
         await self._copy(ops, read=True)
@@ -144,7 +145,8 @@ class PinnedCpuTier(DriverBase):
         self._count(read=read, ops=len(ops), nbytes=nbytes)
 
     def _copy_batch(self, ops: Sequence[TransferOp], read: bool) -> None:
-        slots = [self._slots[op.slot, : op.buffer.numel()] for op in ops]
+        rows = self._rows
+        slots = [rows[op.slot][: op.buffer.numel()] for op in ops]
         buffers = [op.buffer for op in ops]
         torch._foreach_copy_(*((buffers, slots) if read else (slots, buffers)))
 
