@@ -11,12 +11,13 @@ may free the buffers as soon as the call returns or raises.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from tiered_kv.errors import TierError, TierFullError, TierIOError
 from tiered_kv.interfaces import TransferOp
@@ -92,30 +93,82 @@ def worker_pool(name: str, workers: int) -> ThreadPoolExecutor:
     )
 
 
+class _Calls:
+    """Calls running in worker threads and what they returned or raised; the loop counts
+    them finished (one ``call_soon_threadsafe`` each) and wakes the awaiting task once
+    the last one has."""
+
+    __slots__ = ("_left", "_loop", "_waiter", "errors", "results")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
+        self._loop = loop
+        self._left = n
+        self._waiter: asyncio.Future[None] | None = None
+        self.results: list[object] = [None] * n
+        self.errors: list[BaseException | None] = [None] * n
+
+    def run(self, i: int, fn: Callable[..., object], args: tuple[object, ...]) -> None:
+        """In a worker thread: call ``i``."""
+        try:
+            self.results[i] = fn(*args)
+        except BaseException as exc:  # handed to the awaiting task
+            self.errors[i] = exc
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits this
+                self._loop.call_soon_threadsafe(self.finished)
+
+    def finished(self) -> None:
+        """On the loop: one call finished, or will never run."""
+        self._left -= 1
+        if not self._left and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until every call has finished."""
+        if self._left:
+            self._waiter = self._loop.create_future()
+            await self._waiter
+
+    async def wait_out(self) -> None:
+        """:meth:`wait` that a cancellation does not cut short (it is the caller's to raise)."""
+        while self._left:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.wait()
+
+
 async def in_threads(executor: Executor, fn: Callable[..., T], calls: Sequence[tuple[object, ...]]) -> list[T]:
     """Run ``fn(*args)`` for each ``args`` of ``calls`` in ``executor``; wait for them all.
 
     Returns the results in order, or raises the first call's error once every call has
-    finished. Cancellation-safe (see :func:`settle`): calls not yet started are dropped.
+    finished. Cancellation-safe (as :func:`settle`): calls not yet started are dropped and
+    the cancellation waits for those running. The awaiting task resumes one loop iteration
+    after the last call finishes (no futures chained in between: under load each iteration
+    of a busy loop is a wait for every task ready in it).
     """
     if not calls:
         return []
-    jobs = [executor.submit(fn, *args) for args in calls]
-    futures = [asyncio.wrap_future(job) for job in jobs]
-
-    async def all_done() -> list[T]:
-        await asyncio.wait(futures)
-        errors = [f.exception() for f in futures if not f.cancelled()]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
-        return [f.result() for f in futures]
-
-    def abort() -> None:
+    batch = _Calls(asyncio.get_running_loop(), len(calls))
+    jobs: list[Future[None]] = []
+    try:
+        for i, args in enumerate(calls):
+            jobs.append(executor.submit(batch.run, i, fn, args))
+    except BaseException:
+        for _ in range(len(calls) - len(jobs)):  # never submitted
+            batch.finished()
+        await batch.wait_out()
+        raise
+    try:
+        await batch.wait()
+    except asyncio.CancelledError:
         for job in jobs:
-            job.cancel()
-
-    return await settle(asyncio.ensure_future(all_done()), abort)
+            if job.cancel():  # not started: it never runs
+                batch.finished()
+        await batch.wait_out()
+        raise
+    first = next((error for error in batch.errors if error is not None), None)
+    if first is not None:
+        raise first
+    return cast("list[T]", batch.results)
 
 
 async def shutdown(executor: Executor) -> None:
