@@ -65,6 +65,17 @@ def round_up(n: int, align: int = PAGE) -> int:
 COPY_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
+#: Bytes of memory copy worth a thread of its own: below it, the hand-off to a second
+#: thread (a wake-up and a turn of the GIL against a busy event loop) costs more than
+#: the copy it would take over.
+SPLIT_COPY_BYTES = 1 << 20
+
+
+def copy_parts(nbytes: int, workers: int) -> int:
+    """Threads to share a memory copy of ``nbytes``: one per ``SPLIT_COPY_BYTES``, at most ``workers``."""
+    return min(workers, max(1, nbytes // SPLIT_COPY_BYTES))
+
+
 def split(ops: Sequence[T], parts: int) -> list[Sequence[T]]:
     """``ops`` cut into at most ``parts`` non-empty runs of near-equal length.
 

@@ -35,7 +35,16 @@ import torch
 from tiered_kv.driver_base import DriverBase
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.log import get_logger
-from tiered_kv.tiers._driver import COPY_WORKERS, check_buffer, in_threads, shutdown, split, tier_error, worker_pool
+from tiered_kv.tiers._driver import (
+    COPY_WORKERS,
+    check_buffer,
+    copy_parts,
+    in_threads,
+    shutdown,
+    split,
+    tier_error,
+    worker_pool,
+)
 
 log = get_logger("gpu")
 
@@ -244,7 +253,9 @@ class GpuTier(DriverBase):
                 await in_threads(self._executor, self._copy_cuda, [(ops, to_host, ready)])
             else:
                 await in_threads(
-                    self._executor, self._copy, [(part, to_host, False) for part in split(ops, self._workers)]
+                    self._executor,
+                    self._copy,
+                    [(part, to_host, False) for part in split(ops, copy_parts(nbytes, self._workers))],
                 )
         except RuntimeError as exc:  # torch and CUDA errors
             self._errors += 1

@@ -36,6 +36,7 @@ from tiered_kv.tiers._driver import (
     PAGE,
     check_buffer,
     check_slots,
+    copy_parts,
     in_threads,
     round_up,
     shutdown,
@@ -138,7 +139,8 @@ class PinnedCpuTier(DriverBase):
         check_slots(ops, self.num_slots)
         nbytes = sum(check_buffer(op.buffer, max_bytes=self.slot_bytes) for op in ops)
         try:
-            await in_threads(self._executor, self._copy_batch, [(part, read) for part in split(ops, COPY_WORKERS)])
+            parts = split(ops, copy_parts(nbytes, COPY_WORKERS))
+            await in_threads(self._executor, self._copy_batch, [(part, read) for part in parts])
         except RuntimeError as exc:
             self._errors += 1
             raise tier_error(self.name, "copy", exc) from exc
