@@ -540,3 +540,22 @@ async def test_a_quiet_lookup_is_what_the_next_load_loads(tmp_path: Path, seed: 
             assert loaded == 16 * hits, (p, hits, loaded)
             assert same_blocks(cache, range(starts[p], starts[p] + 4 * hits), target[: 4 * hits])
             kv.check_invariants()
+
+
+async def test_a_close_that_cancels_promotions_before_they_ran_leaves_no_claims(tmp_path: Path) -> None:
+    """Regression (adversarial review): ``close(drain=False)`` right after a load claimed its
+    promotions cancelled them before their first step, so nothing settled the claims."""
+    cache = engine_cache(128)
+    kv = TieredKV(config(tmp_path, cpu_chunks=4, nvme_chunks=16, write_policy=WritePolicy.WRITE_THROUGH))
+    await kv.register(NS, [cache])
+    first, _ = await _store_prompts(kv, cache, [4, 4])
+    load = asyncio.ensure_future(
+        kv.load(NS, request_id="l", keys=[first], block_ids=[list(range(100, 116))], num_tokens=64)
+    )
+    await asyncio.sleep(0)  # the load has claimed its promotions from nvme; none has run
+    assert kv._promotion_claims
+    await kv.close(drain=False)
+    await asyncio.gather(load, return_exceptions=True)
+    kv.check_invariants()
+    assert not kv._promotion_claims
+    assert not any(pool.promoting for pool in kv._control.pools.values())

@@ -80,6 +80,17 @@ def test_a_view_outside_the_slab_is_refused() -> None:
     tier = PinnedCpuTier(slot_bytes=4096, num_slots=2)
     with pytest.raises(ValueError, match="outside"):
         tier.view(2)
+    with pytest.raises(ValueError, match="outside"):
+        tier.view(True)  # an int to Python, but not a slot number
+
+
+async def test_a_bool_slot_is_refused_not_written_as_slot_one() -> None:
+    """Regression (adversarial review): ``slot=True`` passed the slot check and, indexed
+    into the slab's rows, wrote nothing and reported success."""
+    tier = PinnedCpuTier(slot_bytes=100, num_slots=4, pin=False)
+    with pytest.raises(ValueError, match="outside"):
+        await tier.write([TransferOp(buffer=torch.arange(100, dtype=torch.uint8), slot=True)])
+    await tier.close()
 
 
 def test_without_cuda_the_slab_is_plain_memory() -> None:

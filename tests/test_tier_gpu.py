@@ -377,6 +377,8 @@ def scattered_jobs(draw: st.DrawFn) -> dict[str, object]:
         "blocks": draw(st.permutations(range(num_blocks)))[: chunks * n],
         "num_blocks": num_blocks,
         "n": n,
+        #: Buffers of the cpu slab (``None``), or of a storage at an odd address, this many bytes in.
+        "odd_storage": draw(st.sampled_from([None, 0, 1, 4, 7])),
     }
 
 
@@ -401,9 +403,14 @@ async def test_a_gather_or_scatter_of_any_layout_moves_the_same_bytes_as_a_copy_
         tensors, block_dim = [f[job["offset"] :].view(2, nb, *job["shape"]) for f in flats], 1
     tier = GpuTier(tensors, blocks_per_chunk=job["bpc"], block_dim=block_dim)
     slab = PinnedCpuTier(tier.chunk_bytes, 6)
+    views = [slab.view(slot) for slot in range(6)]
+    if job["odd_storage"] is not None:
+        raw = torch.frombuffer(bytearray(6 * tier.chunk_bytes + 8), dtype=torch.uint8, offset=1)
+        start = job["odd_storage"]
+        views = [raw[start + j * tier.chunk_bytes :][: tier.chunk_bytes] for j in range(6)]
     n, first = job["n"], job["first"]
     ops = [
-        TransferOp(buffer=slab.view(slot), blocks=tuple(job["blocks"][i * n : (i + 1) * n]), first_block=first)
+        TransferOp(buffer=views[slot], blocks=tuple(job["blocks"][i * n : (i + 1) * n]), first_block=first)
         for i, slot in enumerate(job["slots"])
     ]
     piece = tier.slot_bytes // (2 * layers)
@@ -444,3 +451,27 @@ def test_bytes_move_in_the_widest_element_both_sides_allow() -> None:
     assert [t.dtype for t in gpu._widest(rows, flat[1:49].view(3, 16))] == [torch.uint8, torch.uint8]
     assert gpu._widest(flat[:60].view(5, 12))[0].dtype == torch.int32  # 12-byte rows
     assert gpu._widest(flat[:30].as_strided((3, 8), (10, 1)))[0].dtype == torch.int16  # rows 10 bytes apart
+    odd = torch.frombuffer(bytearray(80), dtype=torch.uint8, offset=1)  # a storage at an odd address
+    skip = -odd.data_ptr() % 8  # an 8-byte aligned address, an odd offset in the storage
+    assert gpu._widest(odd[skip : skip + 48].view(3, 16))[0].dtype == torch.uint8
+
+
+async def test_buffers_aligned_but_at_an_odd_offset_in_their_storage_move_bit_exact() -> None:
+    """Regression (adversarial review): a buffer of a storage that starts at an odd address
+    (``torch.frombuffer`` at an offset) passed the alignment test on its address, and its
+    wide view then failed: ``TierIOError`` where the bytes should have moved."""
+    cache = torch.arange(8 * 64, dtype=torch.int32).view(8, 4, 16)  # 256 bytes a block
+    tier = GpuTier([cache], blocks_per_chunk=1)
+    slab = torch.frombuffer(bytearray(3 * 256 + 8), dtype=torch.uint8, offset=1)
+    skip = -slab.data_ptr() % 8
+    buffers = [slab[skip + i * 256 : skip + (i + 1) * 256] for i in range(3)]
+    blocks = (5, 1, 3)  # scattered: one gather, one scatter
+    ops = [TransferOp(buffer=b, blocks=(block,)) for b, block in zip(buffers, blocks, strict=True)]
+    await tier.read(ops)
+    for buffer, block in zip(buffers, blocks, strict=True):
+        assert torch.equal(buffer, cache[block].view(torch.uint8).flatten())
+    before = cache.clone()
+    cache.zero_()
+    await tier.write(ops)
+    assert torch.equal(cache[list(blocks)], before[list(blocks)])
+    await tier.close()

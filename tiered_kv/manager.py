@@ -241,6 +241,10 @@ class TieredKV:
         """Stop background copies, then close every driver, even after one fails to close;
         the first failure is raised once all are closed."""
         await self._scheduler.close()
+        # Promotions cancelled before their first step never settled their loads' claims.
+        self._promotion_claims.clear()
+        for pool in self._control.pools.values():
+            pool.promoting.clear()
         # A registration still opening pools commits them (and so hands them over to be
         # closed below) or fails and closes what it opened.
         await asyncio.gather(*self._opening.values(), return_exceptions=True)

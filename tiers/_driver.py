@@ -218,7 +218,7 @@ def bytes_of(buffer: torch.Tensor) -> memoryview:
 def check_slots(ops: Sequence[TransferOp], num_slots: int) -> None:
     """Every op names a slot of the tier, and no two ops of a batch name the same one."""
     slots = [op.slot for op in ops]
-    bad = [slot for slot in slots if not 0 <= slot < num_slots]
+    bad = [slot for slot in slots if type(slot) is bool or not 0 <= slot < num_slots]
     if bad:
         raise ValueError(f"slot {bad[0]} is outside this tier's {num_slots} slots")
     if len(set(slots)) != len(slots):

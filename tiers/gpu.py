@@ -164,11 +164,15 @@ _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
 
 def _widest(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``tensors`` (uint8, last dimension contiguous) viewed as the widest integer element
-    whose size divides every one's address, strides and last dimension; as they are where
-    none wider than a byte does."""
+    whose size divides every one's address, offset in its storage (which ``view`` asks of
+    it: a storage may start at an odd address), strides and last dimension; as they are
+    where none wider than a byte does."""
     for width, dtype in _WIDTHS:
         if all(
-            t.data_ptr() % width == 0 and t.shape[-1] % width == 0 and all(s % width == 0 for s in t.stride()[:-1])
+            t.data_ptr() % width == 0
+            and t.storage_offset() % width == 0
+            and t.shape[-1] % width == 0
+            and all(s % width == 0 for s in t.stride()[:-1])
             for t in tensors
         ):
             return tuple(t.view(dtype) for t in tensors)

@@ -124,7 +124,7 @@ class PinnedCpuTier(DriverBase):
 
     def view(self, slot: int) -> torch.Tensor:
         """Slot ``slot`` as a zero-copy, page-aligned ``uint8`` tensor of ``slot_bytes``."""
-        if not 0 <= slot < self.num_slots:
+        if type(slot) is bool or not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is outside this tier's {self.num_slots} slots")
         return self._rows[slot]
 
