@@ -390,6 +390,31 @@ async def test_a_second_opener_of_the_same_store_is_refused(tmp_path: Path) -> N
     await (await open_store(tmp_path)).close()  # released on close
 
 
+async def test_an_open_cancelled_while_its_files_open_closes_them_and_unlocks_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (adversarial review): cancelled while its thread opened the files, the
+    open lost their descriptors, the lock's among them: the store stayed locked for the
+    process ("in use by another process")."""
+    opened = NvmeTier._open_files
+
+    def slow_open_files(*args: Any) -> tuple[int, int, int, bool]:
+        files = opened(*args)
+        time.sleep(0.2)  # a slow filesystem: the files are open, the call not yet returned
+        return files
+
+    monkeypatch.setattr(NvmeTier, "_open_files", staticmethod(slow_open_files))
+    before = len(os.listdir("/proc/self/fd"))
+    task = asyncio.ensure_future(open_store(tmp_path))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(os.listdir("/proc/self/fd")) == before
+    monkeypatch.setattr(NvmeTier, "_open_files", staticmethod(opened))
+    await (await open_store(tmp_path)).close()
+
+
 async def test_forgotten_slots_are_unreadable_and_stay_forgotten(tmp_path: Path) -> None:
     tier = await open_store(tmp_path)
     await fill(tier, range(3))

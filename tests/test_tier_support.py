@@ -7,6 +7,7 @@ import asyncio
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures.thread import BrokenThreadPool
 
 import pytest
 
@@ -133,6 +134,76 @@ async def test_a_refused_submission_raises_once_the_calls_it_started_have_finish
         assert sorted(finished) == [0, 1]
 
 
+async def test_calls_the_executor_cancels_or_fails_before_they_run_are_errors_not_hangs() -> None:
+    """Regression (adversarial review): a call counted finished only when it ran, so one
+    whose future the executor ended without running it left the wait hanging: a shutdown
+    with ``cancel_futures``, a pool whose threads fail to start (``BrokenThreadPool``)."""
+
+    def work(i: int) -> int:
+        threading.Event().wait(0.05)
+        return i
+
+    pool = ThreadPoolExecutor(1)
+    task = asyncio.ensure_future(in_threads(pool, work, [(0,), (1,), (2,)]))
+    await asyncio.sleep(0.01)  # call 0 runs, 1 and 2 are queued
+    pool.shutdown(wait=False, cancel_futures=True)
+    with pytest.raises(RuntimeError, match="cancelled the call before it ran"):
+        await asyncio.wait_for(task, 5)
+
+    def cannot_start() -> None:
+        raise ValueError("no thread for you")
+
+    with ThreadPoolExecutor(1, initializer=cannot_start) as broken, pytest.raises(BrokenThreadPool):
+        await asyncio.wait_for(in_threads(broken, work, [(0,)]), 5)
+
+
+class _QueuesThenRaises(ThreadPoolExecutor):
+    """Queues its second call and then raises, as ``submit`` does when it cannot start a
+    thread for it."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.calls = 0
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        future = super().submit(fn, *args, **kwargs)
+        if self.calls == 2:
+            raise RuntimeError("can't start new thread")
+        return future
+
+
+async def test_a_call_queued_by_a_submission_that_failed_never_runs_after_the_wait() -> None:
+    ran: list[int] = []
+
+    def work(i: int) -> None:
+        threading.Event().wait(0.05)
+        ran.append(i)
+
+    with _QueuesThenRaises() as pool:
+        with pytest.raises(RuntimeError, match="can't start"):
+            await in_threads(pool, work, [(0,), (1,)])
+        assert ran == [0]
+        await asyncio.sleep(0.1)  # the worker takes call 1 from its queue: dropped, it does not run
+    assert ran == [0]
+
+
+async def test_a_cancellation_during_a_refused_submission_is_not_lost() -> None:
+    """Regression (adversarial review): cancelled while it waited out the calls it had
+    submitted, the wait raised the refusal and the task did not end cancelled."""
+
+    def work(i: int) -> None:
+        threading.Event().wait(0.1)
+
+    with _RefusesAfter(1) as pool:
+        task = asyncio.ensure_future(in_threads(pool, work, [(0,), (1,)]))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert task.cancelled()
+
+
 @pytest.mark.parametrize("seed", range(30))
 async def test_random_calls_errors_and_cancellations_never_leave_a_call_running(seed: int) -> None:
     """Randomized: whatever finishes the wait (results, the first error in call order, a
@@ -163,12 +234,18 @@ async def test_random_calls_errors_and_cancellations_never_leave_a_call_running(
         for _ in range(cancels):
             await asyncio.sleep(rng.choice([0.0, 0.002, 0.01]))
             task.cancel()
+        if rng.random() < 0.2:  # the executor drops what it has queued
+            await asyncio.sleep(rng.choice([0.0, 0.002, 0.01]))
+            pool.shutdown(wait=False, cancel_futures=True)
         try:
-            result = await task
+            result = await asyncio.wait_for(asyncio.shield(task), 10)
         except asyncio.CancelledError:
             result = None
         except OSError as exc:
             assert str(exc) == f"call {min(failing)}"
+            result = None
+        except RuntimeError as exc:
+            assert "cancelled the call before it ran" in str(exc)
             result = None
         with lock:
             assert not running, f"calls {running} still running after the wait ended"

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import itertools
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar, cast
@@ -105,31 +107,72 @@ def worker_pool(name: str, workers: int) -> ThreadPoolExecutor:
 
 
 class _Calls:
-    """Calls running in worker threads and what they returned or raised; the loop counts
-    them finished (one ``call_soon_threadsafe`` each) and wakes the awaiting task once
-    the last one has."""
+    """Calls running in worker threads and what they returned or raised.
 
-    __slots__ = ("_left", "_loop", "_waiter", "errors", "results")
+    Each call is counted finished on the loop once (one ``call_soon_threadsafe``): when it
+    has run, or when its future ended without running it (cancelled, or failed by the
+    executor: shut down with ``cancel_futures``, a broken pool). The awaiting task wakes
+    once the last one is counted. A call can also be dropped from the loop before it
+    begins (its submission failed after the executor had queued it); if it has begun, it
+    reports itself.
+    """
+
+    __slots__ = ("_counted", "_dropped", "_left", "_lock", "_loop", "_started", "_waiter", "errors", "results")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
         self._loop = loop
         self._left = n
         self._waiter: asyncio.Future[None] | None = None
+        self._lock = threading.Lock()
+        self._started = [False] * n  # under _lock
+        self._dropped = [False] * n  # under _lock
+        self._counted = [False] * n  # on the loop
         self.results: list[object] = [None] * n
         self.errors: list[BaseException | None] = [None] * n
 
     def run(self, i: int, fn: Callable[..., object], args: tuple[object, ...]) -> None:
-        """In a worker thread: call ``i``."""
+        """In a worker thread: call ``i``, unless it was dropped."""
+        with self._lock:
+            if self._dropped[i]:
+                return
+            self._started[i] = True
         try:
             self.results[i] = fn(*args)
         except BaseException as exc:  # handed to the awaiting task
             self.errors[i] = exc
         finally:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits this
-                self._loop.call_soon_threadsafe(self.finished)
+            self._report(i)
 
-    def finished(self) -> None:
-        """On the loop: one call finished, or will never run."""
+    def ended(self, i: int, job: Future[None]) -> None:
+        """Call ``i``'s future is done (in whichever thread completed it). If the call
+        never ran, nothing else reports it, and the executor's reason is its error."""
+        with self._lock:
+            started = self._started[i]
+        if started:
+            return
+        if job.cancelled():  # by the caller's cancellation, or by the executor shutting down
+            self.errors[i] = RuntimeError("the executor cancelled the call before it ran")
+        else:
+            self.errors[i] = job.exception()  # a broken pool; None: dropped, counted already
+        self._report(i)
+
+    def _report(self, i: int) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits this
+            self._loop.call_soon_threadsafe(self.finished, i)
+
+    def drop(self, i: int) -> None:
+        """On the loop: call ``i`` must not begin; if it has, it reports when it ends."""
+        with self._lock:
+            if self._started[i]:
+                return
+            self._dropped[i] = True
+        self.finished(i)
+
+    def finished(self, i: int) -> None:
+        """On the loop: call ``i`` finished, or will never run."""
+        if self._counted[i]:
+            return
+        self._counted[i] = True
         self._left -= 1
         if not self._left and self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -140,11 +183,16 @@ class _Calls:
             self._waiter = self._loop.create_future()
             await self._waiter
 
-    async def wait_out(self) -> None:
-        """:meth:`wait` that a cancellation does not cut short (it is the caller's to raise)."""
+    async def wait_out(self) -> bool:
+        """:meth:`wait` that a cancellation does not cut short; whether one came (it is the
+        caller's to raise)."""
+        cancelled = False
         while self._left:
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self.wait()
+            except asyncio.CancelledError:
+                cancelled = True
+        return cancelled
 
 
 async def in_threads(executor: Executor, fn: Callable[..., T], calls: Sequence[tuple[object, ...]]) -> list[T]:
@@ -152,9 +200,11 @@ async def in_threads(executor: Executor, fn: Callable[..., T], calls: Sequence[t
 
     Returns the results in order, or raises the first call's error once every call has
     finished. Cancellation-safe (as :func:`settle`): calls not yet started are dropped and
-    the cancellation waits for those running. The awaiting task resumes one loop iteration
-    after the last call finishes (no futures chained in between: under load each iteration
-    of a busy loop is a wait for every task ready in it).
+    the cancellation waits for those running. A submission the executor refuses raises
+    once the calls already submitted have finished (or, if the task was cancelled
+    meanwhile, the cancellation does). The awaiting task resumes one loop iteration after
+    the last call finishes (no futures chained in between: under load each iteration of a
+    busy loop is a wait for every task ready in it).
     """
     if not calls:
         return []
@@ -162,18 +212,20 @@ async def in_threads(executor: Executor, fn: Callable[..., T], calls: Sequence[t
     jobs: list[Future[None]] = []
     try:
         for i, args in enumerate(calls):
-            jobs.append(executor.submit(batch.run, i, fn, args))
-    except BaseException:
-        for _ in range(len(calls) - len(jobs)):  # never submitted
-            batch.finished()
-        await batch.wait_out()
+            job = executor.submit(batch.run, i, fn, args)
+            job.add_done_callback(functools.partial(batch.ended, i))
+            jobs.append(job)
+    except BaseException as exc:
+        for i in range(len(jobs), len(calls)):  # not submitted, or queued by a submit that then failed
+            batch.drop(i)
+        if await batch.wait_out():
+            raise asyncio.CancelledError from exc
         raise
     try:
         await batch.wait()
     except asyncio.CancelledError:
         for job in jobs:
-            if job.cancel():  # not started: it never runs
-                batch.finished()
+            job.cancel()  # one not started never runs; its future reports it
         await batch.wait_out()
         raise
     first = next((error for error in batch.errors if error is not None), None)

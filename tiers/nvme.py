@@ -277,15 +277,20 @@ class NvmeTier(DriverBase):
             raise ValueError(f"compact_every must be positive, got {compact_every}")
         directory = Path(root) / namespace.dir_name
         pool = worker_pool("nvme", io_depth)
+        files: list[tuple[int, int, int, bool]] = []  # kept here: a cancelled wait returns no result
+
+        def open_files() -> None:
+            files.append(cls._open_files(Path(root), namespace, group, slot_stride(slot_bytes) * num_slots, direct_io))
+
         try:
-            [(dir_fd, fd, lock_fd, direct)] = await in_threads(
-                pool,
-                cls._open_files,
-                [(Path(root), namespace, group, slot_stride(slot_bytes) * num_slots, direct_io)],
-            )
+            await in_threads(pool, open_files, [()])
         except BaseException:
+            for dir_fd, fd, lock_fd, _ in files:  # opened, then the caller gave up: close (and unlock) them
+                for opened in (fd, lock_fd, dir_fd):
+                    os.close(opened)
             pool.shutdown(wait=False)
             raise
+        [(dir_fd, fd, lock_fd, direct)] = files
         tier = cls(
             directory,
             namespace,
