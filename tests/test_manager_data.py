@@ -398,6 +398,25 @@ async def test_block_ids_outside_the_cache_are_typed_errors_not_crashes(tmp_path
         kv.check_invariants()
 
 
+async def test_a_load_that_names_a_block_twice_is_a_miss_and_writes_nothing(tmp_path: Path) -> None:
+    """Regression (adversarial review): two chunk positions loaded into one GPU block came
+    out torn, each KV tensor of it from whichever copy thread wrote last."""
+    cache = engine_cache(16)
+    keys = chunk_keys(NS, list(range(32)))
+    async with TieredKV(config(tmp_path, cpu_chunks=4, nvme_chunks=4)) as kv:
+        await kv.register(NS, [cache])
+        await kv.store(NS, request_id="s", keys=[keys], block_ids=[list(range(8))])
+        await kv.finish_request("s")
+        before = [layer.clone() for layer in cache]
+        twice = [8, 9, 10, 11, 12, 13, 14, 8]
+        assert await kv.load(NS, request_id="l", keys=[keys], block_ids=[twice], num_tokens=32) == 0
+        assert kv.statistics().loads_rejected == {"block_table": 1}
+        assert all(torch.equal(layer, old) for layer, old in zip(cache, before, strict=True))
+        assert await kv.load(NS, request_id="ok", keys=[keys], block_ids=[list(range(8, 16))], num_tokens=32) == 32
+        assert same_blocks(cache, range(8), range(8, 16))
+        kv.check_invariants()
+
+
 async def test_a_tenant_handed_another_tenants_keys_gets_a_miss_never_its_bytes(tmp_path: Path) -> None:
     # Regression (issue 9.5): lookup and load did not check whose chunk a key names, so
     # tenant B with tenant A's raw keys (from KV events, say) read A's KV.

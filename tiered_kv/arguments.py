@@ -76,6 +76,18 @@ def blocks_in_range(blocks: Sequence[int], num_blocks: int) -> None:
         raise BlockTableError(f"GPU block {bad} is outside the registered KV cache's {num_blocks} blocks")
 
 
+def distinct_blocks(blocks: Sequence[int], what: str) -> None:
+    """Refuse GPU blocks named twice among the blocks chunks are copied from or into:
+    one block holds one chunk position's tokens."""
+    if len(set(blocks)) == len(blocks):
+        return
+    seen: set[int] = set()
+    for block in blocks:
+        if block in seen:
+            raise BlockTableError(f"GPU block {block} appears in two chunks {what}")
+        seen.add(block)
+
+
 def _is_sequence(value: object) -> TypeGuard[Sequence[Any]]:
     return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
 

@@ -31,10 +31,10 @@ import enum
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from tiered_kv.arguments import require_namespace
+from tiered_kv.arguments import distinct_blocks, require_namespace
 from tiered_kv.config import NamespacePolicyConfig, RemoteTierConfig, WritePolicy
 from tiered_kv.directory import PENDING, READY, LeaseEpoch, Reservation, TierIndex, Victim
-from tiered_kv.errors import BlockTableError, ChunkKeyError, ConfigError, NamespaceError
+from tiered_kv.errors import ChunkKeyError, ConfigError, NamespaceError
 from tiered_kv.interfaces import AdmissionFilter
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind
@@ -522,9 +522,7 @@ class ControlPlane:
                 seen.add(key)
                 parents[key] = group_keys[c - 1] if c else None
                 candidates.append((key, blocks))
-            copied = [block for _, blocks in candidates for block in blocks]
-            if len(set(copied)) != len(copied):
-                raise BlockTableError("a GPU block appears in two chunks to be stored")
+            distinct_blocks([block for _, blocks in candidates for block in blocks], "to be stored")
             planned.append((pool, candidates))
         return self._reserve_store(planned, parents, fingerprint, skipped, partial)
 

@@ -37,6 +37,7 @@ import torch
 
 from tiered_kv.arguments import (
     blocks_in_range,
+    distinct_blocks,
     per_group,
     require_block_ids,
     require_keys,
@@ -508,7 +509,9 @@ class TieredKV:
                 for pool, plan, table in zip(pools, plans, tables, strict=True):
                     require_keys(plan.keys)
                     gpu = self._drivers[pool.id].gpus[namespace.tp_rank]
-                    blocks_in_range(table[: sum(map(len, plan.blocks))], gpu.num_slots)  # the blocks the plan fills
+                    filled = table[: sum(map(len, plan.blocks))]  # the blocks the plan fills
+                    blocks_in_range(filled, gpu.num_slots)
+                    distinct_blocks(filled, "to be loaded")
             except (SpanError, BlockTableError) as exc:
                 reason = "span" if isinstance(exc, SpanError) else "block_table"
                 self._telemetry.loads_rejected[reason] += 1
