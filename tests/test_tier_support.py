@@ -12,7 +12,7 @@ from concurrent.futures.thread import BrokenThreadPool
 import pytest
 
 from tiered_kv.errors import CorruptChunk
-from tiered_kv.tiers._driver import copy_parts, in_threads, settle, split
+from tiered_kv.tiers._driver import in_threads, settle, split, thread_parts
 from tiered_kv.tiers.nvme_format import (
     MAX_KEY_BYTES,
     pack_header,
@@ -270,10 +270,10 @@ def test_a_batch_splits_into_near_equal_runs() -> None:
     assert split([], 2) == []
 
 
-def test_a_memory_copy_takes_a_thread_per_mib_up_to_the_workers() -> None:
-    assert copy_parts(128 << 10, 4) == 1  # 32 chunks of 4 KiB: the hand-off would cost more
-    assert copy_parts(3 << 20, 4) == 3
-    assert copy_parts(64 << 20, 2) == 2
+def test_a_call_takes_a_thread_per_mib_up_to_the_workers() -> None:
+    assert thread_parts(128 << 10, 4) == 1  # 32 chunks of 4 KiB: the hand-off would cost more
+    assert thread_parts(3 << 20, 4) == 3
+    assert thread_parts(64 << 20, 2) == 2
 
 
 def test_a_header_round_trips() -> None:

@@ -67,15 +67,20 @@ def round_up(n: int, align: int = PAGE) -> int:
 COPY_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
-#: Bytes of memory copy worth a thread of its own: below it, the hand-off to a second
-#: thread (a wake-up and a turn of the GIL against a busy event loop) costs more than
-#: the copy it would take over.
-SPLIT_COPY_BYTES = 1 << 20
+#: Bytes of copying or I/O worth a thread of its own: below it, the hand-off to another
+#: thread (a wake-up and a turn of the GIL against a busy event loop) costs more than the
+#: work it would take over.
+BYTES_PER_THREAD = 1 << 20
 
 
-def copy_parts(nbytes: int, workers: int) -> int:
-    """Threads to share a memory copy of ``nbytes``: one per ``SPLIT_COPY_BYTES``, at most ``workers``."""
-    return min(workers, max(1, nbytes // SPLIT_COPY_BYTES))
+def thread_parts(nbytes: int, workers: int) -> int:
+    """Threads to share a call's ``nbytes``: one per ``BYTES_PER_THREAD``, at most ``workers``."""
+    return min(workers, max(1, nbytes // BYTES_PER_THREAD))
+
+
+def outside(slot: int, num_slots: int) -> bool:
+    """Whether ``slot`` is not a slot number of a tier of ``num_slots`` (a ``bool`` is not one)."""
+    return type(slot) is bool or not 0 <= slot < num_slots
 
 
 def split(ops: Sequence[T], parts: int) -> list[Sequence[T]]:
@@ -270,7 +275,7 @@ def bytes_of(buffer: torch.Tensor) -> memoryview:
 def check_slots(ops: Sequence[TransferOp], num_slots: int) -> None:
     """Every op names a slot of the tier, and no two ops of a batch name the same one."""
     slots = [op.slot for op in ops]
-    bad = [slot for slot in slots if type(slot) is bool or not 0 <= slot < num_slots]
+    bad = [slot for slot in slots if outside(slot, num_slots)]
     if bad:
         raise ValueError(f"slot {bad[0]} is outside this tier's {num_slots} slots")
     if len(set(slots)) != len(slots):

@@ -38,10 +38,10 @@ from tiered_kv.log import get_logger
 from tiered_kv.tiers._driver import (
     COPY_WORKERS,
     check_buffer,
-    copy_parts,
     in_threads,
     shutdown,
     split,
+    thread_parts,
     tier_error,
     worker_pool,
 )
@@ -259,7 +259,7 @@ class GpuTier(DriverBase):
                 await in_threads(
                     self._executor,
                     self._copy,
-                    [(part, to_host, False) for part in split(ops, copy_parts(nbytes, self._workers))],
+                    [(part, to_host, False) for part in split(ops, thread_parts(nbytes, self._workers))],
                 )
         except RuntimeError as exc:  # torch and CUDA errors
             self._errors += 1

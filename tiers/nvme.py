@@ -14,8 +14,8 @@ Writes and reads are one ``pwritev``/``preadv`` of header and payload per chunk,
 page-aligned, so the disk reads and writes them in place; others go through an aligned
 staging buffer) and buffered I/O otherwise, with a warning ``nvme.direct_io_unavailable``.
 A dedicated pool of ``io_depth`` threads does them, one hop into the pool per run of
-neighbouring ops (a batch is cut into at most ``io_depth`` runs, of ``RUN_BYTES`` at
-least), and a write puts each run of consecutive slots in one ``pwritev``: the I/Os in
+neighbouring ops (a batch is cut into at most ``io_depth`` runs, of ``BYTES_PER_THREAD``
+at least), and a write puts each run of consecutive slots in one ``pwritev``: the I/Os in
 flight are at most ``io_depth``, and what a small chunk costs the loop and the system
 calls is a share of its batch's.
 
@@ -67,6 +67,7 @@ from tiered_kv.tiers._driver import (
     round_up,
     shutdown,
     split,
+    thread_parts,
     tier_error,
     worker_pool,
 )
@@ -97,9 +98,6 @@ from tiered_kv.tiers.nvme_journal import (
 
 #: Consecutive slots one ``pwritev`` writes at most (each takes two or three iovecs).
 COALESCE_OPS = 256
-#: A write call's bytes per thread hop, at least: a batch of small chunks goes to the
-#: threads in a few runs (then a few ``pwritev`` calls), large chunks one per thread.
-RUN_BYTES = 1 << 20
 #: The default commit window: the most recent stores a crash may lose.
 COMMIT_WINDOW_S = 0.02
 #: A journal is folded into a checkpoint once it holds this many records, or as many
@@ -377,7 +375,7 @@ class NvmeTier(DriverBase):
         commits = self._committer()
         with self._in_flight():
             try:
-                await self._io(self._write_run, split(ops, min(self.io_depth, max(1, nbytes // RUN_BYTES))))
+                await self._io(self._write_run, split(ops, thread_parts(nbytes, self.io_depth)))
             except BaseException:
                 # The slots may hold a part of the batch now: the journal says they hold nothing.
                 commits.add(b"".join(forget_record(op.slot) for op in ops), len(ops))

@@ -36,11 +36,12 @@ from tiered_kv.tiers._driver import (
     PAGE,
     check_buffer,
     check_slots,
-    copy_parts,
     in_threads,
+    outside,
     round_up,
     shutdown,
     split,
+    thread_parts,
     tier_error,
     worker_pool,
 )
@@ -124,7 +125,7 @@ class PinnedCpuTier(DriverBase):
 
     def view(self, slot: int) -> torch.Tensor:
         """Slot ``slot`` as a zero-copy, page-aligned ``uint8`` tensor of ``slot_bytes``."""
-        if type(slot) is bool or not 0 <= slot < self.num_slots:
+        if outside(slot, self.num_slots):
             raise ValueError(f"slot {slot} is outside this tier's {self.num_slots} slots")
         return self._rows[slot]
 
@@ -139,7 +140,7 @@ class PinnedCpuTier(DriverBase):
         check_slots(ops, self.num_slots)
         nbytes = sum(check_buffer(op.buffer, max_bytes=self.slot_bytes) for op in ops)
         try:
-            parts = split(ops, copy_parts(nbytes, COPY_WORKERS))
+            parts = split(ops, thread_parts(nbytes, COPY_WORKERS))
             await in_threads(self._executor, self._copy_batch, [(part, read) for part in parts])
         except RuntimeError as exc:
             self._errors += 1
