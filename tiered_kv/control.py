@@ -96,9 +96,38 @@ class Pool:
         self.hint = hint
         #: Tenant namespaces (fingerprints) that have a share in this pool's partitions.
         self.owners: set[str] = set()
-        #: nvme chunks that loads are waiting to promote, by claims: writes to nvme do not
-        #: evict them for room (a load would come back without a chunk its lookup counted).
-        self.promoting: collections.Counter[ChunkKey] = collections.Counter()
+        #: Loads waiting on each promotion into cpu: key → namespace → claims. While a
+        #: key has claims, writes to nvme do not evict it for room (a load would come back
+        #: without a chunk its lookup counted).
+        self.claims: dict[ChunkKey, collections.Counter[str]] = {}
+
+    def claim(self, key: ChunkKey, namespace: str) -> None:
+        """A load waits on the promotion of ``namespace``'s ``key``."""
+        self.claims.setdefault(key, collections.Counter())[namespace] += 1
+
+    def unclaim(self, key: ChunkKey, namespace: str) -> None:
+        """A load gave up its claim before the promotion settled."""
+        self.settle_claims(key, namespace, 1)
+
+    def settle_claims(self, key: ChunkKey, namespace: str, most: int | None = None) -> int:
+        """Take ``most`` (all, when ``None``) of the claims on the promotion of
+        ``namespace``'s ``key``; how many there were to take."""
+        by_namespace = self.claims.get(key)
+        if by_namespace is None:
+            return 0
+        held = by_namespace[namespace]
+        taken = held if most is None else min(most, held)
+        if held - taken > 0:
+            by_namespace[namespace] = held - taken
+        else:
+            del by_namespace[namespace]
+            if not by_namespace:
+                del self.claims[key]
+        return taken
+
+    def claims_held(self) -> int:
+        """Claims on promotions, over every key and namespace."""
+        return sum(sum(by_namespace.values()) for by_namespace in self.claims.values())
 
     def indexes(self) -> list[TierIndex]:
         return [self.cpu] if self.nvme is None else [self.cpu, self.nvme]
@@ -659,7 +688,7 @@ class ControlPlane:
             mine = [(c.key, c.slot) for c in chunks if (c.owner, c.namespace) == (owner, namespace)]
             parents = {c.key: c.parent for c in chunks}
             reservation = pool.nvme.reserve(
-                (key for key, _ in mine), owner, namespace, parents=parents, keep=pool.promoting
+                (key for key, _ in mine), owner, namespace, parents=parents, keep=pool.claims
             )
             if reservation is None:
                 log.info("tier.full", tier="nvme", namespace=owner, n_chunks=len(mine))

@@ -190,8 +190,6 @@ class TieredKV:
         self._opening: dict[str, asyncio.Task[None]] = {}
         #: Pools opened per model across its tensor-parallel ranks (see _open_pools).
         self._ranks_opened: collections.Counter[str] = collections.Counter()
-        #: Loads waiting on each shared nvme/remote → cpu promotion, by (pool, group, key, namespace).
-        self._promotion_claims: collections.Counter[tuple[str, int, ChunkKey, str]] = collections.Counter()
         self._cpu_left = config.cpu.capacity_bytes
         self._nvme_left = config.nvme.capacity_bytes if config.nvme else 0
         self._scheduler = Scheduler()
@@ -243,9 +241,8 @@ class TieredKV:
         the first failure is raised once all are closed."""
         await self._scheduler.close()
         # Promotions cancelled before their first step never settled their loads' claims.
-        self._promotion_claims.clear()
         for pool in self._control.pools.values():
-            pool.promoting.clear()
+            pool.claims.clear()
         # A registration still opening pools commits them (and so hands them over to be
         # closed below) or fails and closes what it opened.
         await asyncio.gather(*self._opening.values(), return_exceptions=True)
@@ -670,8 +667,7 @@ class TieredKV:
                     functools.partial(self._promote, pool, key, plan.tenant, parent),
                     name=f"promote-{key.hex()[:8]}",
                 )
-                self._promotion_claims[handle] += 1  # the promotion pins the chunk for each claim
-                pool.promoting[key] += 1  # and until it has, no write to nvme evicts it
+                pool.claim(key, namespace)  # the promotion pins the chunk for each claim
                 steps.append((key, task))
             else:
                 break
@@ -722,23 +718,9 @@ class TieredKV:
         place among the claims the promotion will pin for."""
         pool = plan.pool
         if not task.done():
-            handle = (pool.fingerprint, pool.group, key, plan.namespace)
-            self._promotion_claims[handle] -= 1
-            if self._promotion_claims[handle] <= 0:
-                del self._promotion_claims[handle]
-            self._unclaim(pool, key, 1)
+            pool.unclaim(key, plan.namespace)
         elif not task.cancelled() and task.exception() is None and task.result() is not None:
             self._control.unpin(pool, key)
-
-    @staticmethod
-    def _unclaim(pool: Pool, key: ChunkKey, claims: int) -> None:
-        """Settled or given-up claims on a promotion of ``key``: nvme may evict it again once
-        no load waits for it."""
-        left = pool.promoting[key] - claims
-        if left > 0:
-            pool.promoting[key] = left
-        else:
-            pool.promoting.pop(key, None)
 
     @staticmethod
     async def _promoted(task: asyncio.Task[str | None]) -> str | None:
@@ -771,8 +753,7 @@ class TieredKV:
             elif isinstance(plan, RemotePromotion):
                 source = "remote" if await self._read_remote_into_cpu(plan, tenant) else None
         finally:
-            claims = self._promotion_claims.pop((pool.fingerprint, pool.group, key, namespace), 0)
-            self._unclaim(pool, key, claims)
+            claims = pool.settle_claims(key, namespace)
         if source is not None:
             for _ in range(claims):
                 self._control.pin(pool, key)
@@ -1202,6 +1183,7 @@ class TieredKV:
             "copies_waiting": self._gate.waiting,
             "nvme_io_waiting": self._disk_gate.waiting,
             "background_tasks": self._scheduler.background,
+            "promotion_claims": sum(pool.claims_held() for pool in self._control.pools.values()),
         }
         remote = []
         for pool in self._control.pools.values():
@@ -1238,21 +1220,8 @@ class TieredKV:
         return self._telemetry.drain_events(max_events)
 
     def check_invariants(self) -> None:
-        """Raise if any residency index contradicts itself, or the nvme chunks kept for
-        promotions differ from the loads' claims on them (for tests and debugging)."""
+        """Raise if any residency index contradicts itself (for tests and debugging)."""
         self._control.verify_invariants()
-        claimed: collections.Counter[tuple[str, int, ChunkKey]] = collections.Counter()
-        for (fingerprint, group, key, _), claims in self._promotion_claims.items():
-            claimed[fingerprint, group, key] += claims
-        kept = collections.Counter(
-            {
-                (pool.fingerprint, pool.group, key): n
-                for pool in self._control.pools.values()
-                for key, n in pool.promoting.items()
-            }
-        )
-        if kept != claimed:
-            raise TieredKVError(f"nvme chunks kept for promotions {dict(kept)} differ from the claims {dict(claimed)}")
 
     # -- helpers -----------------------------------------------------------------------
     def _transfer_failed(self, path: str, pool: Pool, request_id: str | None, exc: TierError) -> None:

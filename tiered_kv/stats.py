@@ -82,7 +82,8 @@ class Statistics(msgspec.Struct, frozen=True, kw_only=True):
     #: ``stores``: chunks submitted and not yet read from the GPU; ``write_behind``: chunks
     #: queued for nvme; ``loads``: loads in flight; ``copies_waiting`` and ``nvme_io_waiting``:
     #: copies waiting for a GPU copy slot or an nvme I/O slot; ``background_tasks``:
-    #: scheduler tasks. With a remote tier also ``remote_writes`` (chunks queued for it)
+    #: scheduler tasks; ``promotion_claims``: loads waiting on a chunk's promotion into
+    #: cpu (one per load and chunk). With a remote tier also ``remote_writes`` (chunks queued for it)
     #: and ``remote_io_waiting`` (calls waiting for one of its I/O slots).
     queue_depths: dict[str, int]
     #: Loads that returned fewer tokens than asked, by reason: ``span`` (a sliding-window
