@@ -49,14 +49,16 @@ async def deadline(rng: random.Random, coro, *, always: bool = False):  # type: 
 
 @contextlib.asynccontextmanager
 async def freezing(server: ValkeyServer, rng: random.Random) -> AsyncIterator[None]:
-    """While the block runs, freeze the server for up to 20 ms every 0–50 ms."""
+    """While the block runs, freeze the server for 10–20 ms every 0–50 ms: at least twice
+    the client's 5 ms timeout, so that an I/O that meets a freeze times out (shorter
+    freezes that nothing ran into once left the soak without a single failed I/O)."""
 
     async def freeze() -> None:
         while True:
             await asyncio.sleep(rng.uniform(0, 0.05))
             server.pause()
             try:
-                await asyncio.sleep(rng.uniform(0, 0.02))
+                await asyncio.sleep(rng.uniform(0.01, 0.02))
             finally:
                 server.resume()
 
