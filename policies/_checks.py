@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import PolicyError
 from tiered_kv.keys import ChunkKey
+
+if TYPE_CHECKING:
+    from tiered_kv._keytable import _Table as KeyTable
 
 
 def check_capacity(capacity: int) -> int:
@@ -28,27 +30,25 @@ V = TypeVar("V")
 
 
 def add_new(
-    order: dict[ChunkKey, V],
+    order: KeyTable[V],
     keys: Sequence[ChunkKey],
     value: V,
     resident: Callable[[ChunkKey], bool],
-    *elsewhere: dict[ChunkKey, V],
+    *elsewhere: KeyTable[V],
 ) -> None:
-    """Append ``keys`` to ``order``, each mapped to ``value``, in one C-level update: the
+    """Append ``keys`` to ``order``, each mapped to ``value``, in one C-level insert: the
     bulk insert of a policy whose resident keys are those of ``order`` and
     ``elsewhere`` plus the few for which ``resident`` (its parked keys) is true. Changes
     nothing and raises :class:`PolicyError` if a key is resident or listed twice."""
-    if not all(d.keys().isdisjoint(keys) for d in (order, *elsewhere)):
-        raise duplicate(next(key for key in keys if any(key in d for d in (order, *elsewhere))))
-    clash = next(filter(resident, keys), None)
-    if clash is not None:
-        raise duplicate(clash)
-    before = len(order)
-    order.update(zip(keys, repeat(value)))
-    if len(order) != before + len(keys):
-        for key in keys:  # none of them was there before
-            order.pop(key, None)
-        raise repeated()
+    for held in (resident, *(table.__contains__ for table in elsewhere)):
+        clash = next(filter(held, keys), None)
+        if clash is not None:
+            raise duplicate(clash)
+    try:
+        order.insert_new(keys, value)
+    except KeyError as error:
+        (key,) = error.args
+        raise (duplicate(key) if key in order else repeated()) from None
 
 
 def check_new(keys: Sequence[ChunkKey], resident: Callable[[ChunkKey], bool]) -> None:

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import cast
 
+from tiered_kv._keytable import KeyOrder
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import add_new, check_capacity, check_count, check_new, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
@@ -40,9 +40,9 @@ _ABSENT = cast("ChunkKey | None", object())
 class ARC:
     """Adaptive replacement between recency (T1) and frequency (T2), with ghost lists.
 
-    T1 and T2 are ``OrderedDict``s (least recently used first, each key mapped to its
-    predecessor); B1 and B2 are
-    :class:`GhostQueue`s. Resident keys plus ghosts never exceed ``2 * capacity``.
+    T1 and T2 are :class:`~tiered_kv._keytable.KeyOrder` tables (least recently used
+    first, each key mapped to its predecessor); B1 and B2 are :class:`GhostQueue`s.
+    Resident keys plus ghosts never exceed ``2 * capacity``.
     ``clock`` and ``rng`` are accepted for the common constructor and unused.
     """
 
@@ -53,8 +53,8 @@ class ARC:
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
     ) -> None:
         self.capacity = check_capacity(capacity)
-        self._t1: OrderedDict[ChunkKey, ChunkKey | None] = OrderedDict()
-        self._t2: OrderedDict[ChunkKey, ChunkKey | None] = OrderedDict()
+        self._t1 = KeyOrder()
+        self._t2 = KeyOrder()
         self._b1 = GhostQueue(capacity)
         self._b2 = GhostQueue(capacity)
         self._target = 0.0

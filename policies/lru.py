@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import cast
 
+from tiered_kv._keytable import KeyOrder
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import add_new, check_capacity, check_count, duplicate
 from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
@@ -19,8 +19,8 @@ _ABSENT = cast("ChunkKey | None", object())
 class LRU:
     """Evicts the key whose last insert or touch is oldest, leaves of the prefix tree first.
 
-    One ``OrderedDict`` from least to most recently used, mapping each key to its
-    predecessor: a touch is ``move_to_end``, an eviction walks from the front past
+    One :class:`~tiered_kv._keytable.KeyOrder` from least to most recently used,
+    mapping each key to its predecessor: a touch is ``move_to_end``, an eviction walks from the front past
     protected keys, and parks keys whose successors are still resident (see
     :mod:`tiered_kv.policies.prefix`) until they leave, when the parked key returns to
     the front. ``clock`` and ``rng`` are accepted for the common constructor and unused:
@@ -34,7 +34,7 @@ class LRU:
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
     ) -> None:
         self.capacity = check_capacity(capacity)
-        self._order: OrderedDict[ChunkKey, ChunkKey | None] = OrderedDict()
+        self._order = KeyOrder()
         self._links = PrefixLinks(self._release)
 
     def __len__(self) -> int:

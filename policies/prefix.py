@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable
 
+from tiered_kv._keytable import KeyInts
 from tiered_kv.errors import PolicyError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import missing
@@ -34,7 +35,9 @@ class PrefixLinks:
 
     The policy keeps each key's predecessor itself (usually as the value of the ``dict``
     that orders its keys) and names it here on :meth:`link` and :meth:`unlink`; a parked
-    key's predecessor is kept here while it is out of the policy's lists. ``release`` is
+    key's predecessor is kept here while it is out of the policy's lists. The counts are
+    a :class:`~tiered_kv._keytable.KeyInts`: as many as the resident keys, and growing
+    without a full rehash. ``release`` is
     called when a parked key loses its last successor, with the list (``place``, the
     policy's own numbering) it was parked from.
     """
@@ -42,7 +45,7 @@ class PrefixLinks:
     __slots__ = ("_parked", "_parked_at", "_release", "_successors", "has_successors", "is_parked")
 
     def __init__(self, release: Release, places: int = 1) -> None:
-        self._successors: dict[ChunkKey, int] = {}
+        self._successors = KeyInts()
         self._parked: dict[ChunkKey, tuple[int, ChunkKey | None]] = {}
         self._parked_at = [0] * places
         self._release = release

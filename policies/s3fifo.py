@@ -9,7 +9,7 @@ inserted while it is a ghost goes straight to main. Main is a FIFO with a 2-bit 
 counter per key: a key with hits left goes round again with one hit fewer, a key without
 is evicted. One-hit wonders, which dominate
 long-document scans, therefore leave after a short stay in the small queue without ever
-disturbing the main queue, and a hit costs one ``dict`` update with no reordering.
+disturbing the main queue, and a hit costs one table update with no reordering.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from tiered_kv._keytable import KeyInts, KeyOrder
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import add_new, check_capacity, check_count, check_new, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
@@ -43,7 +44,8 @@ _SLACK = 64
 class S3FIFO:
     """Small FIFO, main FIFO and ghost queue, with all-or-nothing eviction.
 
-    One ``dict`` maps each resident key to its state (queue bit and hit count); the two
+    One :class:`~tiered_kv._keytable.KeyInts` maps each resident key to its state (queue
+    bit and hit count); the two
     queues are ``deque``s of keys. :meth:`remove` only drops the state, leaving a dead
     queue entry that is skipped when it reaches the front (or compacted away), so every
     operation is O(1) amortised. ``clock`` and ``rng`` are accepted for the common
@@ -71,13 +73,13 @@ class S3FIFO:
     ) -> None:
         self.capacity = check_capacity(capacity)
         self._small_target = max(1, capacity // 10)
-        self._state: dict[ChunkKey, int] = {}
+        self._state = KeyInts()
         self._small: deque[ChunkKey] = deque()
         self._main: deque[ChunkKey] = deque()
         self._n_small = 0
         self._ghost = GhostQueue(max(1, capacity - self._small_target))
         self._links = PrefixLinks(self._release, places=2)
-        self._parents: dict[ChunkKey, ChunkKey] = {}  # resident key -> its predecessor, if it has one
+        self._parents = KeyOrder()  # resident key -> its predecessor, if it has one
 
     def __len__(self) -> int:
         return len(self._state)

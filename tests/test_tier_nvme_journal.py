@@ -22,6 +22,7 @@ from tiered_kv.errors import CorruptChunk, TierError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.namespace import Namespace
 from tiered_kv.tiers.nvme import NvmeTier
+from tiered_kv.tiers.nvme_files import read_file
 from tiered_kv.tiers.nvme_format import HEADER_BYTES
 
 SLOT = 4096
@@ -331,3 +332,17 @@ async def check_crash(
                 assert torch.equal(await read(crashed, slot, version), data(slot, version))
     finally:
         await crashed.close()
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, (1 << 20) + 3, 3 << 20])
+def test_a_slot_map_file_is_read_whole_in_pieces(tmp_path: Path, size: int) -> None:
+    """The reader of checkpoints and journals (into an unzeroed buffer, since zeroing a
+    24 MB checkpoint held the interpreter for 10 ms): every byte, in order, whatever
+    the size against its 1 MiB pieces."""
+    data = random.Random(size).randbytes(size)
+    (tmp_path / "file").write_bytes(data)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert bytes(read_file(dir_fd, "file", str(tmp_path / "file"))) == data
+    finally:
+        os.close(dir_fd)

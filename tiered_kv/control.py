@@ -31,6 +31,7 @@ import enum
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from tiered_kv._keytable import KeyInts
 from tiered_kv.arguments import distinct_blocks, require_namespace
 from tiered_kv.config import NamespacePolicyConfig, RemoteTierConfig, WritePolicy
 from tiered_kv.directory import PENDING, READY, LeaseEpoch, Reservation, TierIndex, Victim
@@ -338,7 +339,7 @@ class ControlPlane:
         for pool in self._by_base.pop(base.fingerprint_hex, []):
             del self.pools[pool.id]
 
-    def begin_restore(self, pool: Pool, chunks: dict[ChunkKey, int] | None = None) -> None:
+    def begin_restore(self, pool: Pool, chunks: KeyInts | None = None) -> None:
         """Start a warm restart of what a reopened nvme store holds: :meth:`restore` each
         batch, then :meth:`restored`. ``chunks`` (key → slot of all of it) is taken over
         as the pool's index, and the batches are its items; without it, each batch adds

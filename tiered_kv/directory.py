@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tiered_kv._keytable import KeyInts
 from tiered_kv.errors import TieredKVError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.partition import TierPartition
@@ -66,9 +67,11 @@ class TierIndex:
     """Keys resident in one tier: slots, owners, PENDING/READY state, pins, and the
     per-namespace eviction order and quotas of the tier's partition.
 
-    Per resident chunk it keeps one dict entry (key → slot) and a few bytes in arrays
-    indexed by slot, not an object: a tier of a million chunks costs tens of MB of index,
-    not hundreds (``tiered-kv bench scale`` measures it).
+    Per resident chunk it keeps one :class:`~tiered_kv._keytable.KeyInts` entry (key →
+    slot: it grows without a full rehash, which at a million keys would hold the loop
+    for tens of ms) and a few bytes in arrays indexed by slot, not an object: a tier of
+    a million chunks costs tens of MB of index, not hundreds (``tiered-kv bench scale``
+    measures it).
     """
 
     def __init__(
@@ -81,7 +84,7 @@ class TierIndex:
         self._epoch = epoch
         self._allocator = SlotAllocator(partition.capacity)
         n = partition.capacity
-        self._slots: dict[ChunkKey, int] = {}
+        self._slots = KeyInts()
         self._state = bytearray(n)
         self._pins = array.array("H", bytes(2 * n))
         self._hits = array.array("H", bytes(2 * n)) if count_hits else None
@@ -297,13 +300,13 @@ class TierIndex:
         self._allocator.claim(slot)
         self._occupy(key, slot, owner, owner if namespace is None else namespace, READY, parent)
 
-    def begin_restore(self, chunks: dict[ChunkKey, int] | None = None) -> None:
+    def begin_restore(self, chunks: KeyInts | None = None) -> None:
         """Start a warm restart into this index, which must hold nothing yet; then
         :meth:`restore_many` batch by batch, and :meth:`settle`.
 
         ``chunks``, key → slot of every chunk the store holds, becomes the index's map
         as it is, not copied (the caller gives it up), so that a million chunks cost the
-        loop no dict building; the batches are then its items. Without it, each batch
+        loop no table building; the batches are then its items. Without it, each batch
         adds its own chunks to the map."""
         if self._slots or self._partition.used or self._restoring is not None:
             raise TieredKVError(f"{self.tier}: a warm restart starts from an empty index")

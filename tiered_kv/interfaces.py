@@ -17,7 +17,7 @@ a sub-range of a chunk without touching the rest.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
@@ -27,6 +27,7 @@ from tiered_kv.keys import ChunkKey
 if TYPE_CHECKING:  # annotations only: the core's plain modules load without torch
     import torch
 
+    from tiered_kv._keytable import KeyInts
     from tiered_kv.config import NvmeTierConfig, RemoteTierConfig
     from tiered_kv.namespace import Namespace
 
@@ -98,7 +99,7 @@ class HostTier(TierDriver, Protocol):
 class RecoverableTier(TierDriver, Protocol):
     """A persistent tier that knows, after reopening, which chunk each slot holds (nvme)."""
 
-    def recovered(self) -> dict[ChunkKey, int]:
+    def recovered(self) -> Mapping[ChunkKey, int]:
         """Key → slot of every chunk that reopening the store restored; the caller reads
         it and leaves it as it is."""
         ...
@@ -118,9 +119,11 @@ class HandsOverRecovered(Protocol):
     instead of lending it, so that a warm restart of a million chunks builds no second
     map on the event loop."""
 
-    def take_recovered(self) -> dict[ChunkKey, int]:
+    def take_recovered(self) -> KeyInts:
         """The map :meth:`~RecoverableTier.recovered` returns, now the caller's to change:
-        the driver keeps no reference to it, and ``recovered`` raises from now on."""
+        the driver keeps no reference to it, and ``recovered`` raises from now on. The
+        core keeps it as its index as it is: a driver builds it off the loop, in its
+        thread."""
         ...
 
 

@@ -396,16 +396,17 @@ class TieredKV:
         event loop back between batches: a store of a million chunks must not hold it.
         The index takes the driver's map over where the driver gives it away (it built
         the map off the loop); otherwise each batch adds its chunks to the index's own."""
-        if isinstance(driver, HandsOverRecovered):
-            recovered = driver.take_recovered()
-            self._control.begin_restore(pool, recovered)
-        else:
-            recovered = driver.recovered()
-            self._control.begin_restore(pool)
         # Taken a batch at a time from the map itself: a copy of a million keys would hold
         # the loop for tens of ms. Nothing changes the map meanwhile (the pool serves no
         # call before register returns).
-        keys, slots = iter(recovered), iter(recovered.values())
+        if isinstance(driver, HandsOverRecovered):
+            taken = driver.take_recovered()
+            self._control.begin_restore(pool, taken)
+            keys, slots = iter(taken), taken.values()
+        else:
+            recovered = driver.recovered()
+            self._control.begin_restore(pool)
+            keys, slots = iter(recovered), iter(recovered.values())
         while batch := list(itertools.islice(keys, RESTORE_BATCH)):
             self._control.restore(pool, batch, list(itertools.islice(slots, len(batch))))
             await asyncio.sleep(0)

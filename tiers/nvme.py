@@ -51,11 +51,12 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from tiered_kv._keytable import KeyInts
 from tiered_kv.driver_base import DriverBase
 from tiered_kv.errors import ChunkKeyError, CorruptChunk, CorruptStore, TierError, TierIOError
 from tiered_kv.inspection import Inspection
 from tiered_kv.interfaces import TransferOp
-from tiered_kv.keys import KEY_BYTES, ChunkKey
+from tiered_kv.keys import KEY_BYTES
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
 from tiered_kv.tiers._driver import (
@@ -238,7 +239,7 @@ class NvmeTier(DriverBase):
         self._keys = bytearray(num_slots * KEY_BYTES)
         self._live = bytearray(num_slots)
         #: Key → slot of what reopening restored, until the first change.
-        self._recovered: dict[ChunkKey, int] | None = {}
+        self._recovered: KeyInts | None = KeyInts()
         self._commits: GroupCommit | None = None
         self._busy = 0
         self._idle = asyncio.Event()
@@ -436,7 +437,7 @@ class NvmeTier(DriverBase):
         os.close(self._dir_fd)
 
     # -- nvme-specific -------------------------------------------------------------------
-    def recovered(self) -> dict[ChunkKey, int]:
+    def recovered(self) -> KeyInts:
         """Key → slot of every chunk that reopening the store restored, as its slot map
         lists them (reads verify each). Built at open and lent as it is, not copied.
         The first write or forget releases it, after which this raises
@@ -449,7 +450,7 @@ class NvmeTier(DriverBase):
             )
         return self._recovered
 
-    def take_recovered(self) -> dict[ChunkKey, int]:
+    def take_recovered(self) -> KeyInts:
         """:meth:`recovered`, given away: the caller may keep it as its own index."""
         recovered = self.recovered()
         self._recovered = None

@@ -22,6 +22,8 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from tiered_kv.errors import UnsafeStore
 
 OWNER_DIR = 0o700
@@ -140,19 +142,17 @@ def open_file(dir_fd: int, name: str, path: str, flags: int, *, owner: bool = Tr
 PIECE_BYTES = 1 << 20
 
 
-def read_file(dir_fd: int, name: str, path: str, *, owner: bool = True) -> bytearray:
+def read_file(dir_fd: int, name: str, path: str, *, owner: bool = True) -> memoryview:
     """The whole content of file ``name`` (see :func:`open_file`), read in pieces into
-    one buffer."""
+    one buffer. The buffer is not zeroed first: zeroing the 24 MB checkpoint of a
+    million slots holds the interpreter, and so the event loop, for 10 ms."""
     fd = open_file(dir_fd, name, path, os.O_RDONLY, owner=owner)
     try:
-        data = bytearray(os.fstat(fd).st_size)
-        view = memoryview(data)
+        view = np.empty(os.fstat(fd).st_size, dtype=np.uint8).data
         done = 0
-        while done < len(data) and (got := os.readv(fd, [view[done : done + PIECE_BYTES]])):
+        while done < len(view) and (got := os.readv(fd, [view[done : done + PIECE_BYTES]])):
             done += got
-        del view
-        del data[done:]  # the file shrank meanwhile
-        return data
+        return view[:done]  # the file shrank meanwhile
     finally:
         os.close(fd)
 

@@ -143,6 +143,6 @@ def encode_namespace(namespace: Namespace) -> bytes:
     return msgspec.json.format(msgspec.json.encode(namespace), indent=2) + b"\n"
 
 
-def decode_namespace(data: bytes | bytearray) -> Namespace:
+def decode_namespace(data: bytes | bytearray | memoryview) -> Namespace:
     """The namespace in ``data``; ``msgspec.DecodeError`` (a ``ValueError``) when it is not one."""
     return msgspec.json.decode(data, type=Namespace)

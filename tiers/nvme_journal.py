@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from tiered_kv._keytable import KeyInts
 from tiered_kv.log import get_logger
 from tiered_kv.tiers.nvme_files import open_file, read_file, replace_file
 from tiered_kv.tiers.nvme_format import GroupFile, group_file
@@ -97,7 +98,7 @@ def _header(magic: bytes, identity: Identity, generation: int) -> bytes:
     return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def _parse_header(data: bytes | bytearray, magic: bytes) -> tuple[Identity, int]:
+def _parse_header(data: bytes | bytearray | memoryview, magic: bytes) -> tuple[Identity, int]:
     if len(data) < _HEADER_BYTES:
         raise _Unusable(f"cut short ({len(data)} bytes)")
     at_magic, version, _, group, slot_bytes, generation, fingerprint = _HEADER.unpack_from(data)
@@ -131,7 +132,7 @@ def encode_checkpoint(identity: Identity, generation: int, slots: np.ndarray, ke
     return [memoryview(prefix), entries, memoryview(_CHECK.pack(digest.intdigest()))]
 
 
-def _parse_checkpoint(data: bytes | bytearray) -> tuple[Identity, int, np.ndarray]:
+def _parse_checkpoint(data: bytes | bytearray | memoryview) -> tuple[Identity, int, np.ndarray]:
     identity, generation = _parse_header(data, _CHECKPOINT)
     if len(data) < _HEADER_BYTES + _COUNT.size + _CHECK.size:
         raise _Unusable(f"cut short ({len(data)} bytes)")
@@ -166,7 +167,7 @@ class _JournalRead:
     torn: int
 
 
-def _parse_journal(data: bytes | bytearray) -> _JournalRead:
+def _parse_journal(data: bytes | bytearray | memoryview) -> _JournalRead:
     identity, generation = _parse_header(data, _JOURNAL)
     view = memoryview(data)
     records = np.empty(max(0, len(data) - _HEADER_BYTES) // RECORD.itemsize, dtype=RECORD)
@@ -219,7 +220,7 @@ class SlotMap:
     dropped: int
 
 
-def _load(dir_fd: int, directory: Path, name: str, *, owner: bool) -> bytearray | None:
+def _load(dir_fd: int, directory: Path, name: str, *, owner: bool) -> memoryview | None:
     try:
         return read_file(dir_fd, name, str(directory / name), owner=owner)
     except FileNotFoundError:
@@ -333,9 +334,9 @@ def replay(records: np.ndarray, num_slots: int) -> SlotMap:
     return SlotMap(slots=slots, keys=keys, dropped=listed - len(slots))
 
 
-def recovered_chunks(slot_map: SlotMap) -> dict[bytes, int]:
+def recovered_chunks(slot_map: SlotMap) -> KeyInts:
     """Key → slot of a slot map's entries, built in steps (each holds the interpreter)."""
-    chunks: dict[bytes, int] = {}
+    chunks = KeyInts()
     for at in range(0, len(slot_map.slots), _STEP):
         keys, slots = slot_map.keys[at : at + _STEP].tolist(), slot_map.slots[at : at + _STEP].tolist()
         chunks.update(zip(keys, slots, strict=True))

