@@ -24,7 +24,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel built from a copy of the sources (the checkout gets no build output)."""
     root = tmp_path_factory.mktemp("wheel")
     src = root / "src"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")  # the wheel builds its own extension
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
@@ -43,9 +43,10 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_wheel_holds_only_the_tiered_kv_package_typed(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     dist_info = [name for name in names if ".dist-info/" in name]
-    assert {name.split("/")[0] for name in dist_info} == {wheel.name.split("-py3")[0] + ".dist-info"}
+    assert {name.split("/")[0] for name in dist_info} == {"-".join(wheel.name.split("-")[:2]) + ".dist-info"}
     assert all(name.startswith("tiered_kv/") for name in set(names) - set(dist_info)), names
-    assert "tiered_kv/py.typed" in names
+    assert "tiered_kv/py.typed" in names and "tiered_kv/_keytable.pyi" in names
+    assert [n for n in names if n.startswith("tiered_kv/_keytable.") and n.endswith(".so")], "the C key tables"
     for module in ("tiers/gpu.py", "tiers/nvme.py", "policies/lru.py", "metrics.py", "__main__.py"):
         assert f"tiered_kv/{module}" in names
     top_level = zipfile.ZipFile(wheel).read(next(n for n in dist_info if n.endswith("top_level.txt")))
