@@ -18,7 +18,7 @@ from tiered_kv.bench import SectionResult, add_bench_parser
 from tiered_kv.bench.keys import KeysSection
 from tiered_kv.bench.report import Progress
 from tiered_kv.bench.schema import validate
-from tiered_kv.cli import main
+from tiered_kv.cli import build_parser, main
 from tiered_kv.registry import TIERS
 
 
@@ -320,3 +320,23 @@ def test_commands_that_do_not_move_kv_bytes_never_load_torch(tmp_path: Path) -> 
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "False"
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command path of ``parser`` (``("plan",)``, ``("config", "check")``, …)."""
+    found = [path] if path else []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _commands(sub, (*path, name))
+    return found
+
+
+@pytest.mark.parametrize("command", _commands(build_parser()), ids=" ".join)
+def test_every_command_prints_its_help(command: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: ``tiered-kv plan --help`` died in argparse on a ``%`` that a help text
+    formatted from a share (``90% of``)."""
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--help"])
+    assert exited.value.code == 0
+    assert f"usage: tiered-kv {' '.join(command)}" in capsys.readouterr().out

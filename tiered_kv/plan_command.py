@@ -90,10 +90,13 @@ def add_plan_parser(subparsers: Any) -> None:
         "--target-hit-rate",
         type=_rate,
         metavar="RATE",
-        help=f"the nvme tier's target (default {DEFAULT_TARGET_SHARE:.0%} of the compulsory-miss bound)",
+        help=f"the nvme tier's target (default {DEFAULT_TARGET_SHARE * 100:.0f}%% of the compulsory-miss bound)",
     )
     parser.add_argument(
-        "--cpu-hit-rate", type=_rate, metavar="RATE", help=f"the cpu tier's (default {DEFAULT_CPU_SHARE:.0%} of that)"
+        "--cpu-hit-rate",
+        type=_rate,
+        metavar="RATE",
+        help=f"the cpu tier's (default {DEFAULT_CPU_SHARE * 100:.0f}%% of that)",
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the plan as JSON")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="also draw it as a PNG (needs matplotlib)")
