@@ -20,8 +20,8 @@ class LRU:
     """Evicts the key whose last insert or touch is oldest, leaves of the prefix tree first.
 
     One :class:`~tiered_kv._keytable.KeyOrder` from least to most recently used,
-    mapping each key to its predecessor: a touch is ``move_to_end``, an eviction walks from the front past
-    protected keys, and parks keys whose successors are still resident (see
+    mapping each key to its predecessor: a touch is ``move_to_end``, an eviction walks
+    from the front past protected keys, and parks keys whose successors are still resident (see
     :mod:`tiered_kv.policies.prefix`) until they leave, when the parked key returns to
     the front. ``clock`` and ``rng`` are accepted for the common constructor and unused:
     LRU is deterministic.

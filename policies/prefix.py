@@ -33,13 +33,12 @@ Release = Callable[[ChunkKey, int, "ChunkKey | None"], None]
 class PrefixLinks:
     """Resident successors per key, and the parked keys of one policy.
 
-    The policy keeps each key's predecessor itself (usually as the value of the ``dict``
+    The policy keeps each key's predecessor itself (usually as the value of the table
     that orders its keys) and names it here on :meth:`link` and :meth:`unlink`; a parked
     key's predecessor is kept here while it is out of the policy's lists. The counts are
     a :class:`~tiered_kv._keytable.KeyInts`: as many as the resident keys, and growing
-    without a full rehash. ``release`` is
-    called when a parked key loses its last successor, with the list (``place``, the
-    policy's own numbering) it was parked from.
+    without a full rehash. ``release`` is called when a parked key loses its last
+    successor, with the list (``place``, the policy's own numbering) it was parked from.
     """
 
     __slots__ = ("_parked", "_parked_at", "_release", "_successors", "has_successors", "is_parked")

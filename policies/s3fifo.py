@@ -45,8 +45,7 @@ class S3FIFO:
     """Small FIFO, main FIFO and ghost queue, with all-or-nothing eviction.
 
     One :class:`~tiered_kv._keytable.KeyInts` maps each resident key to its state (queue
-    bit and hit count); the two
-    queues are ``deque``s of keys. :meth:`remove` only drops the state, leaving a dead
+    bit and hit count); the two queues are ``deque``s of keys. :meth:`remove` only drops the state, leaving a dead
     queue entry that is skipped when it reaches the front (or compacted away), so every
     operation is O(1) amortised. ``clock`` and ``rng`` are accepted for the common
     constructor and unused: S3-FIFO is deterministic.
