@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -340,3 +342,31 @@ def test_every_command_prints_its_help(command: tuple[str, ...], capsys: pytest.
         main([*command, "--help"])
     assert exited.value.code == 0
     assert f"usage: tiered-kv {' '.join(command)}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_sigterm_ends_the_bench_as_an_interrupt_and_removes_its_temporary_store(tmp_path: Path, sigint: str) -> None:
+    """Regression: SIGTERM killed the bench where it stood, leaving its nvme store (GBs)
+    in the temporary directory. Also where SIGINT is ignored (a shell's background job),
+    which the first fix turned into a SIGTERM that did nothing."""
+    ignore = signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "tiered_kv", "bench", "workload", "--nvme-dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, ignore),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(tmp_path.iterdir()) and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert bench.poll() is None and any(tmp_path.iterdir()), "the bench made no store"
+        time.sleep(0.5)
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+    finally:
+        bench.kill()
+    assert bench.returncode == 143 and err.rstrip().endswith("tiered-kv bench: terminated"), err[-500:]
+    assert not any(tmp_path.iterdir())

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
+from types import FrameType
 from typing import NoReturn
 
 import structlog
@@ -27,6 +29,21 @@ from tiered_kv.plan_command import add_plan_parser
 
 #: Exit status after Ctrl-C, as a shell reports a command killed by SIGINT.
 EXIT_INTERRUPTED = 130
+#: Ended by SIGTERM (128 + 15), after the same cleanup as an interrupt.
+EXIT_TERMINATED = 143
+
+
+class _TermAsInterrupt:
+    """A SIGTERM handler that turns the signal into Ctrl-C's, so that the command ends as
+    an interrupt does: ``asyncio.run`` cancels its main task, and the bench's temporary
+    stores (gigabytes) are removed. Remembers that it was SIGTERM."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.received = True
+        signal.raise_signal(signal.SIGINT)  # asyncio.run's handler, or Python's default one
 
 
 def configure_logging(fmt: str, level: str) -> None:
@@ -86,14 +103,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (see {prog} --help)", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(args.log_format, args.log_level)
+    terminated = _TermAsInterrupt()
+    previous = signal.signal(signal.SIGTERM, terminated)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # A shell's background job starts with SIGINT ignored, which would make SIGTERM
+        # do nothing; Python's own handler lets asyncio.run cancel its main task instead.
+        # (The terminal's Ctrl-C never reaches a background job's process group.)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code: int = args.handler(args)
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        print(f"{prog}: {'terminated' if terminated.received else 'interrupted'}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated.received else EXIT_INTERRUPTED
     except Exception as exc:
         if args.log_level == "debug":
             traceback.print_exc(file=sys.stderr)
@@ -101,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"{prog}: error: {describe(exc)} (--log-level debug shows the traceback)", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return code
 
 
