@@ -117,3 +117,19 @@ def test_missing_file_and_unknown_format_are_config_errors(tmp_path: Path) -> No
         load_config(tmp_path / "absent.toml")
     with pytest.raises(ConfigError, match=r"unsupported config format '\.yaml'"):
         load_config(write(tmp_path, "kv.yaml", "cpu: {}"))
+
+
+def test_a_missing_file_without_a_suffix_is_reported_as_missing(tmp_path: Path) -> None:
+    """Regression: ``config check /nonexistent`` said "unsupported config format ''"."""
+    with pytest.raises(ConfigError, match="cannot read: No such file"):
+        load_config(tmp_path / "absent")
+
+
+@pytest.mark.parametrize(
+    ("name", "text"), [("kv.toml", "[cpu]\ncapacity_bytes = 4096\n"), ("kv.json", '{"cpu": {"capacity_bytes": 4096}}')]
+)
+def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path: Path, name: str, text: str) -> None:
+    """Regression: an editor's UTF-8 BOM made a valid file "not valid TOML/JSON"."""
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_config(path).cpu.capacity_bytes == 4096

@@ -167,3 +167,14 @@ def test_a_quick_check_accepts_a_trace_and_refuses_what_is_not_one(tmp_path: Pat
         check_trace_file(bad)
     with pytest.raises(TraceFormatError, match="cannot read trace"):
         check_trace_file(tmp_path / "absent.jsonl")
+
+
+def test_a_byte_order_mark_before_the_first_line_loses_no_request(tmp_path: Path) -> None:
+    """Regression: a trace saved with a UTF-8 BOM lost its first request as a bad line."""
+    rows = lines('{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}')
+    rows.append(b'{"timestamp": 5, "input_length": 512, "output_length": 1, "hash_ids": [1]}\n')
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"".join(rows))
+    check_trace_file(path)
+    trace = read_trace(path, chunk_tokens=512)
+    assert len(trace.requests) == 2 and not trace.bad_lines

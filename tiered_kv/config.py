@@ -8,6 +8,7 @@ default.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import enum
 import os
 import re
@@ -255,12 +256,11 @@ def _field_path(exc: msgspec.ValidationError) -> tuple[str, str | None]:
 
 def load_config(path: str | Path, type: type[T] = TieredKVConfig) -> T:  # type: ignore[assignment]
     """Load ``type`` from a ``.toml`` or ``.json`` file, naming the bad field on error."""
-    suffix = _suffix(path)
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read: {exc.strerror}", source=str(path)) from exc
-    config = _decode(data, suffix, str(path), type)
+    config = _decode(data, _suffix(path), str(path), type)
     if isinstance(config, TieredKVConfig):
         _check_plugin_names(config, str(path))
     return config
@@ -269,13 +269,12 @@ def load_config(path: str | Path, type: type[T] = TieredKVConfig) -> T:  # type:
 async def load_config_async(path: str | Path, type: type[T] = TieredKVConfig) -> T:  # type: ignore[assignment]
     """:func:`load_config` for a server's event loop: nothing that reads files runs on it, so
     a slow or network filesystem never holds the loop."""
-    suffix = _suffix(path)
     try:
         async with aiofiles.open(path, "rb") as file:
             data = await file.read()
     except OSError as exc:
         raise ConfigError(f"cannot read: {exc.strerror}", source=str(path)) from exc
-    config = _decode(data, suffix, str(path), type)
+    config = _decode(data, _suffix(path), str(path), type)
     if isinstance(config, TieredKVConfig):
         # The registries read the installed distributions' entry points: files too.
         await asyncio.to_thread(_check_plugin_names, config, str(path))
@@ -292,7 +291,7 @@ def _suffix(path: str | Path) -> str:
 def _decode(data: bytes, suffix: str, source: str, type: type[T]) -> T:
     decode = msgspec.toml.decode if suffix == ".toml" else msgspec.json.decode
     try:
-        config = decode(data, type=type)
+        config = decode(data.removeprefix(codecs.BOM_UTF8), type=type)  # an editor's byte-order mark
     except msgspec.ValidationError as exc:
         message, field = _field_path(exc)
         raise ConfigError(message, field=field, source=source) from exc

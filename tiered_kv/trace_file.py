@@ -22,6 +22,7 @@ only, never prompts.
 
 from __future__ import annotations
 
+import codecs
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -108,6 +109,8 @@ def parse_lines(
     latest = -math.inf
     out_of_order = 0
     for number, raw in enumerate(lines, start=1):
+        if number == 1:
+            raw = raw.removeprefix(codecs.BOM_UTF8)  # an editor's byte-order mark
         if not raw.strip():
             continue
         try:
@@ -153,6 +156,8 @@ def check_trace_file(path: Path, *, lines: int = 100) -> None:
         with path.open("rb") as file:
             seen = 0
             for number, raw in enumerate(file, start=1):
+                if number == 1:
+                    raw = raw.removeprefix(codecs.BOM_UTF8)
                 if not raw.strip():
                     continue
                 try:
