@@ -370,3 +370,19 @@ def test_sigterm_ends_the_bench_as_an_interrupt_and_removes_its_temporary_store(
         bench.kill()
     assert bench.returncode == 143 and err.rstrip().endswith("tiered-kv bench: terminated"), err[-500:]
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot", "--export"])
+@pytest.mark.parametrize("value", ["", "  ", ".", "somewhere/"])
+def test_an_output_path_that_is_empty_or_a_directory_is_a_usage_error_before_anything_runs(
+    option: str, value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: ``--json .`` failed after the whole run, ``--plot ''`` wrote ``./.png``."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "somewhere").mkdir()
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--synthetic", "chat", option, value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument {option}" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["somewhere"]

@@ -8,6 +8,10 @@ exit status 1.
 
 from __future__ import annotations
 
+import argparse
+import os
+from pathlib import Path
+
 #: The command ran and found what it checks wanting (a failed bench section, a damaged
 #: store, an invalid config), or failed for a reason it names.
 EXIT_FAILED = 1
@@ -17,3 +21,15 @@ EXIT_USAGE = 2
 
 class UsageError(Exception):
     """The command line cannot run as given; the message says what to change."""
+
+
+def output_file(text: str) -> Path:
+    """The path of a file a command writes (``--json``, ``--plot``, ``--export``), refused
+    on the command line, not after a long run, when it is empty or names a directory.
+    Missing parent directories are created when the file is written."""
+    path = Path(text)
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an output file's path must not be empty")
+    if text.endswith(("/", os.sep)) or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
+    return path

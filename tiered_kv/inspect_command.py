@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import msgspec
 
 from tiered_kv.bench.report import Table
-from tiered_kv.cli_errors import EXIT_FAILED, EXIT_USAGE
+from tiered_kv.cli_errors import EXIT_FAILED, EXIT_USAGE, output_file
 from tiered_kv.config import RemoteTierConfig, TieredKVConfig, load_config
 from tiered_kv.errors import ConfigError, TieredKVError
 from tiered_kv.inspection import (
@@ -63,7 +63,7 @@ def add_inspect_parser(subparsers: Any) -> None:
         "TOML/JSON config file whose [remote] section names it (with its prefix, TLS and credentials)",
     )
     parser.add_argument("--prefix", help="with --remote: the key prefix (default: the config's, or tkv)")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--json", type=output_file, metavar="PATH", help="also write the report as JSON")
     parser.set_defaults(handler=run_inspect)
 
 

@@ -21,6 +21,7 @@ import msgspec
 
 from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.report import Progress, Table
+from tiered_kv.cli_errors import output_file
 from tiered_kv.errors import TieredKVError
 from tiered_kv.optimum import compulsory_bound
 from tiered_kv.planner import Plan, candidates, capacity_grid, make_plan
@@ -81,7 +82,7 @@ def add_plan_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--scale", type=float, default=1.0, help="--synthetic: length factor (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="--synthetic: seed (default 0)")
-    parser.add_argument("--export", type=Path, metavar="FILE", help="--synthetic: also write the trace there")
+    parser.add_argument("--export", type=output_file, metavar="FILE", help="--synthetic: also write the trace there")
     parser.add_argument("--capacities", type=_capacities, metavar="CHUNKS", help="comma-separated capacities")
     parser.add_argument("--points", type=int, default=10, help="capacities in the grid (default 10)")
     parser.add_argument("--smallest", type=int, default=256, help="the grid's smallest capacity (default 256)")
@@ -98,8 +99,8 @@ def add_plan_parser(subparsers: Any) -> None:
         metavar="RATE",
         help=f"the cpu tier's (default {DEFAULT_CPU_SHARE * 100:.0f}%% of that)",
     )
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the plan as JSON")
-    parser.add_argument("--plot", type=Path, metavar="PATH", help="also draw it as a PNG (needs matplotlib)")
+    parser.add_argument("--json", type=output_file, metavar="PATH", help="also write the plan as JSON")
+    parser.add_argument("--plot", type=output_file, metavar="PATH", help="also draw it as a PNG (needs matplotlib)")
     model = parser.add_argument_group("model shape")
     add_model_arguments(model, {"plan": DEFAULT_MODEL})
     model.add_argument("--chunk-tokens", type=int, default=256, help="tokens per offload chunk (default 256)")

@@ -27,7 +27,7 @@ import msgspec
 from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.trace_option import add_trace_arguments
-from tiered_kv.cli_errors import EXIT_FAILED, UsageError
+from tiered_kv.cli_errors import EXIT_FAILED, UsageError, output_file
 
 SCHEMA_VERSION = 1
 
@@ -87,9 +87,12 @@ def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]]
         metavar="SECTION",
         help=f"sections to run, in order (default: all of {', '.join(s.name for s in all_sections)})",
     )
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--json", type=output_file, metavar="PATH", help="also write the results as JSON")
     parser.add_argument(
-        "--plot", type=Path, metavar="PATH", help="also draw tier ratios and hit rates as a PNG (needs matplotlib)"
+        "--plot",
+        type=output_file,
+        metavar="PATH",
+        help="also draw tier ratios and hit rates as a PNG (needs matplotlib)",
     )
     parser.add_argument(
         "--nvme-dir",
