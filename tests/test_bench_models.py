@@ -55,8 +55,12 @@ def test_a_custom_model_may_be_hybrid() -> None:
 
 
 def test_a_bad_custom_dimension_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit):  # the command line refuses it (exit 2) ...
+        parse("--model", "custom", "--layers", "0", "--kv-heads", "1", "--head-dim", "8")
+    args = parse("--model", "custom", "--layers", "1", "--kv-heads", "1", "--head-dim", "8")
+    args.layers = 0  # ... and so does the model, for a caller that builds the arguments
     with pytest.raises(UsageError, match="num_layers"):
-        model_from_args(parse("--model", "custom", "--layers", "0", "--kv-heads", "1", "--head-dim", "8"), "x")
+        model_from_args(args, "x")
 
 
 def test_the_largest_group_of_a_hybrid_model_is_moved_as_full_attention() -> None:

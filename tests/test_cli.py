@@ -386,3 +386,31 @@ def test_an_output_path_that_is_empty_or_a_directory_is_a_usage_error_before_any
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"argument {option}" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["somewhere"]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["bench", "keys", "--key-tokens", "0"],
+        ["bench", "keys", "--key-repeats", "-1"],
+        ["bench", "tiers", "--io-depth", "0"],
+        ["bench", "workload", "--prefill-tokens-per-s", "nan"],
+        ["bench", "workload", "--cpu-fraction", "-0.5"],
+        ["bench", "policies", "--policy-trace-scale", "inf"],
+        ["bench", "overhead", "--overhead-requests", "0"],
+        ["plan", "--synthetic", "chat", "--points", "0"],
+        ["plan", "--synthetic", "chat", "--scale", "nan"],
+        ["plan", "--synthetic", "chat", "--trace-block-tokens", "0"],
+    ],
+    ids=" ".join,
+)
+def test_a_count_rate_or_share_that_is_not_positive_and_finite_is_a_usage_error(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: these ran, then failed as a section with Python's message
+    (``ZeroDivisionError``, ``cannot convert float NaN``) or printed nonsense."""
+    with pytest.raises(SystemExit) as exited:
+        main(command)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument {command[-2]}" in err, err

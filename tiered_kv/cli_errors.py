@@ -9,14 +9,20 @@ exit status 1.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 #: The command ran and found what it checks wanting (a failed bench section, a damaged
 #: store, an invalid config), or failed for a reason it names.
 EXIT_FAILED = 1
 #: The command line cannot run: a missing path, options that do not fit together.
 EXIT_USAGE = 2
+
+
+N = TypeVar("N", int, float)
 
 
 class UsageError(Exception):
@@ -33,3 +39,23 @@ def output_file(text: str) -> Path:
     if text.endswith(("/", os.sep)) or path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
     return path
+
+
+def positive_int(text: str) -> int:
+    """A count or size option: a whole number above zero."""
+    return _positive(text, int, "a whole number")
+
+
+def positive_float(text: str) -> float:
+    """A rate, scale or share option: a finite number above zero."""
+    return _positive(text, float, "a finite number")
+
+
+def _positive(text: str, convert: Callable[[str], N], what: str) -> N:
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be {what} above zero, got {text!r}")
+    return value

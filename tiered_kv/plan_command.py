@@ -21,7 +21,7 @@ import msgspec
 
 from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.report import Progress, Table
-from tiered_kv.cli_errors import output_file
+from tiered_kv.cli_errors import output_file, positive_float, positive_int
 from tiered_kv.errors import TieredKVError
 from tiered_kv.optimum import compulsory_bound
 from tiered_kv.planner import Plan, candidates, capacity_grid, make_plan
@@ -75,17 +75,17 @@ def add_plan_parser(subparsers: Any) -> None:
     source.add_argument("--synthetic", choices=STANDARD_TRACES, help="one of the bench's synthetic traces")
     parser.add_argument(
         "--trace-block-tokens",
-        type=int,
+        type=positive_int,
         default=MOONCAKE_BLOCK_TOKENS,
         metavar="N",
         help=f"tokens per hash id in --trace (default {MOONCAKE_BLOCK_TOKENS})",
     )
-    parser.add_argument("--scale", type=float, default=1.0, help="--synthetic: length factor (default 1)")
+    parser.add_argument("--scale", type=positive_float, default=1.0, help="--synthetic: length factor (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="--synthetic: seed (default 0)")
     parser.add_argument("--export", type=output_file, metavar="FILE", help="--synthetic: also write the trace there")
     parser.add_argument("--capacities", type=_capacities, metavar="CHUNKS", help="comma-separated capacities")
-    parser.add_argument("--points", type=int, default=10, help="capacities in the grid (default 10)")
-    parser.add_argument("--smallest", type=int, default=256, help="the grid's smallest capacity (default 256)")
+    parser.add_argument("--points", type=positive_int, default=10, help="capacities in the grid (default 10)")
+    parser.add_argument("--smallest", type=positive_int, default=256, help="the grid's smallest capacity (default 256)")
     parser.add_argument("--policies", type=_names, metavar="NAMES", help="policies (default: every registered one)")
     parser.add_argument(
         "--target-hit-rate",
@@ -103,7 +103,7 @@ def add_plan_parser(subparsers: Any) -> None:
     parser.add_argument("--plot", type=output_file, metavar="PATH", help="also draw it as a PNG (needs matplotlib)")
     model = parser.add_argument_group("model shape")
     add_model_arguments(model, {"plan": DEFAULT_MODEL})
-    model.add_argument("--chunk-tokens", type=int, default=256, help="tokens per offload chunk (default 256)")
+    model.add_argument("--chunk-tokens", type=positive_int, default=256, help="tokens per offload chunk (default 256)")
     parser.set_defaults(handler=run_plan)
 
 

@@ -18,6 +18,7 @@ from tiered_kv.bench import SectionResult
 from tiered_kv.bench.models import model_from_args
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import KeysCase, KeysFigures
+from tiered_kv.cli_errors import positive_int
 from tiered_kv.keys import chunk_keys, chunk_keys_from_block_hashes
 
 #: GPU blocks per chunk: 256-token chunks over 16-token blocks, as the workload's.
@@ -30,8 +31,8 @@ class KeysSection:
     model = "llama-8b"
 
     def add_arguments(self, parser: argparse._ArgumentGroup) -> None:
-        parser.add_argument("--key-tokens", type=int, default=131072, help="prompt length (default 131072)")
-        parser.add_argument("--key-repeats", type=int, default=7, help="timed repetitions (default 7)")
+        parser.add_argument("--key-tokens", type=positive_int, default=131072, help="prompt length (default 131072)")
+        parser.add_argument("--key-repeats", type=positive_int, default=7, help="timed repetitions (default 7)")
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
         n_tokens, repeats = args.key_tokens, args.key_repeats

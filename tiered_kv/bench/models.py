@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from tiered_kv.cli_errors import UsageError
+from tiered_kv.cli_errors import UsageError, positive_int
 from tiered_kv.errors import ConfigError
 from tiered_kv.layout import DTYPE_BYTES, AttentionKind, KVGeometry, KVGroup
 from tiered_kv.namespace import Namespace
@@ -97,12 +97,16 @@ def add_model_arguments(parser: argparse._ArgumentGroup, defaults: dict[str, str
     parser.add_argument(
         "--model", choices=[*PRESETS, "custom"], default=None, help=f"KV shape preset (default: {each})"
     )
-    parser.add_argument("--layers", type=int, help="custom: layers of full attention")
-    parser.add_argument("--kv-heads", type=int, help="custom: KV heads per rank")
-    parser.add_argument("--head-dim", type=int, help="custom: head size")
-    parser.add_argument("--window", type=int, help="custom: add a sliding-window group with this window (tokens)")
-    parser.add_argument("--window-layers", type=int, help="custom: layers of the sliding-window group")
-    parser.add_argument("--block-size", type=int, default=None, help="GPU block size in tokens (default: preset's)")
+    parser.add_argument("--layers", type=positive_int, help="custom: layers of full attention")
+    parser.add_argument("--kv-heads", type=positive_int, help="custom: KV heads per rank")
+    parser.add_argument("--head-dim", type=positive_int, help="custom: head size")
+    parser.add_argument(
+        "--window", type=positive_int, help="custom: add a sliding-window group with this window (tokens)"
+    )
+    parser.add_argument("--window-layers", type=positive_int, help="custom: layers of the sliding-window group")
+    parser.add_argument(
+        "--block-size", type=positive_int, default=None, help="GPU block size in tokens (default: preset's)"
+    )
     parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default=None, help="KV dtype (default: bfloat16)")
 
 

@@ -27,6 +27,7 @@ from tiered_kv.bench.log_cost import LogCost
 from tiered_kv.bench.models import model_from_args
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import OverheadFigures
+from tiered_kv.cli_errors import positive_int
 from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, TieredKVConfig, WritePolicy
 from tiered_kv.keys import chunk_keys
 from tiered_kv.namespace import Namespace
@@ -51,8 +52,10 @@ class OverheadSection:
     model = "llama-8b"
 
     def add_arguments(self, parser: argparse._ArgumentGroup) -> None:
-        parser.add_argument("--overhead-requests", type=int, default=1000, help="concurrent requests (default 1000)")
-        parser.add_argument("--overhead-chunks", type=int, default=8, help="chunks per request (default 8)")
+        parser.add_argument(
+            "--overhead-requests", type=positive_int, default=1000, help="concurrent requests (default 1000)"
+        )
+        parser.add_argument("--overhead-chunks", type=positive_int, default=8, help="chunks per request (default 8)")
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
         model = model_from_args(args, self.model).largest_group()

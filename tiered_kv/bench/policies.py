@@ -41,6 +41,7 @@ import numpy as np
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.trace_option import bench_trace
+from tiered_kv.cli_errors import positive_float, positive_int
 from tiered_kv.keys import KEY_BYTES, ChunkKey
 from tiered_kv.optimum import MIN, offline_optimum
 from tiered_kv.peers import PEERS, replay_peer
@@ -224,10 +225,18 @@ class PoliciesSection:
             metavar="NAMES",
             help="comma-separated policies (default: every registered one)",
         )
-        parser.add_argument("--policy-entries", type=int, default=1_000_000, help="resident keys (default 1000000)")
-        parser.add_argument("--policy-lookups", type=int, default=500_000, help="lookups per run (default 500000)")
-        parser.add_argument("--policy-cycles", type=int, default=200_000, help="insert+evict per run (default 200000)")
-        parser.add_argument("--policy-repeats", type=int, default=2, help="timed runs, median kept (default 2)")
+        parser.add_argument(
+            "--policy-entries", type=positive_int, default=1_000_000, help="resident keys (default 1000000)"
+        )
+        parser.add_argument(
+            "--policy-lookups", type=positive_int, default=500_000, help="lookups per run (default 500000)"
+        )
+        parser.add_argument(
+            "--policy-cycles", type=positive_int, default=200_000, help="insert+evict per run (default 200000)"
+        )
+        parser.add_argument(
+            "--policy-repeats", type=positive_int, default=2, help="timed runs, median kept (default 2)"
+        )
         parser.add_argument(
             "--policy-capacities",
             type=_fractions,
@@ -235,8 +244,12 @@ class PoliciesSection:
             metavar="FRACTIONS",
             help="capacities as fractions of a trace's distinct chunks (default 0.05,0.2)",
         )
-        parser.add_argument("--policy-trace-scale", type=float, default=1.0, help="trace length factor (default 1)")
-        parser.add_argument("--policy-admit-k", type=int, default=2, help="sightings seen_k waits for (default 2)")
+        parser.add_argument(
+            "--policy-trace-scale", type=positive_float, default=1.0, help="trace length factor (default 1)"
+        )
+        parser.add_argument(
+            "--policy-admit-k", type=positive_int, default=2, help="sightings seen_k waits for (default 2)"
+        )
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
         names: list[str] = args.policy_names or POLICIES.names()

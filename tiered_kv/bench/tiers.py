@@ -43,6 +43,7 @@ import msgspec
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.models import BenchModel, model_from_args
 from tiered_kv.bench.report import Progress, Table
+from tiered_kv.cli_errors import positive_int
 from tiered_kv.layout import KVGeometry
 
 MiB = 1 << 20
@@ -108,14 +109,18 @@ class TiersSection:
         parser.add_argument(
             "--chunk-mib", type=_chunk_sizes, default=_chunk_sizes("2,32"), help="chunk sizes in MiB (default 2,32)"
         )
-        parser.add_argument("--tier-mem-mib", type=int, default=512, help="MiB per memory pass (default 512)")
-        parser.add_argument("--tier-disk-mib", type=int, default=512, help="MiB per disk pass (default 512)")
-        parser.add_argument("--tier-repeats", type=int, default=5, help="timed passes per path (default 5)")
-        parser.add_argument("--io-depth", type=int, default=8, help="concurrent disk and remote I/Os (default 8)")
+        parser.add_argument("--tier-mem-mib", type=positive_int, default=512, help="MiB per memory pass (default 512)")
+        parser.add_argument("--tier-disk-mib", type=positive_int, default=512, help="MiB per disk pass (default 512)")
+        parser.add_argument("--tier-repeats", type=positive_int, default=5, help="timed passes per path (default 5)")
+        parser.add_argument(
+            "--io-depth", type=positive_int, default=8, help="concurrent disk and remote I/Os (default 8)"
+        )
         parser.add_argument(
             "--remote-url", help="a Valkey/Redis server for the remote rows (default: start a local valkey-server)"
         )
-        parser.add_argument("--tier-remote-mib", type=int, default=256, help="MiB per remote pass (default 256)")
+        parser.add_argument(
+            "--tier-remote-mib", type=positive_int, default=256, help="MiB per remote pass (default 256)"
+        )
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
         from tiered_kv.bench.probe import filesystem

@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tiered_kv.cli_errors import positive_int
 from tiered_kv.errors import TraceFormatError
 from tiered_kv.trace_file import MOONCAKE_BLOCK_TOKENS, FileTrace, check_trace_file, read_trace
 from tiered_kv.traces import CHUNK_TOKENS
@@ -33,14 +34,14 @@ def add_trace_arguments(parser: argparse._ArgumentGroup) -> None:
     )
     parser.add_argument(
         "--trace-block-tokens",
-        type=int,
+        type=positive_int,
         default=MOONCAKE_BLOCK_TOKENS,
         metavar="N",
         help=f"tokens per hash id in --trace (default {MOONCAKE_BLOCK_TOKENS}); mapped onto --trace-chunk-tokens",
     )
     parser.add_argument(
         "--trace-chunk-tokens",
-        type=int,
+        type=positive_int,
         default=CHUNK_TOKENS,
         metavar="N",
         help=f"tokens per offload chunk when replaying --trace (default {CHUNK_TOKENS}, the synthetic traces')",

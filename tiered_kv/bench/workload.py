@@ -37,6 +37,7 @@ from tiered_kv.bench.models import model_from_args
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import WorkloadFigures, WorkloadTrace
 from tiered_kv.bench.trace_option import bench_trace
+from tiered_kv.cli_errors import positive_float, positive_int
 from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
 from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind, KVGeometry
@@ -63,16 +64,23 @@ class WorkloadSection:
 
     def add_arguments(self, parser: argparse._ArgumentGroup) -> None:
         parser.add_argument(
-            "--workload-requests", type=int, default=100, help="requests per single-workload trace (default 100)"
+            "--workload-requests",
+            type=positive_int,
+            default=100,
+            help="requests per single-workload trace (default 100)",
         )
         parser.add_argument(
             "--prefill-tokens-per-s",
-            type=float,
+            type=positive_float,
             default=10_000.0,
             help="modelled prefill speed for recomputed tokens (default 10000)",
         )
-        parser.add_argument("--cpu-fraction", type=float, default=0.1, help="cpu tier / working set (default 0.1)")
-        parser.add_argument("--nvme-fraction", type=float, default=0.4, help="nvme tier / working set (default 0.4)")
+        parser.add_argument(
+            "--cpu-fraction", type=positive_float, default=0.1, help="cpu tier / working set (default 0.1)"
+        )
+        parser.add_argument(
+            "--nvme-fraction", type=positive_float, default=0.4, help="nvme tier / working set (default 0.4)"
+        )
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
         # The synthetic traces' chunks are CHUNK_TOKENS; a trace file's, --trace-chunk-tokens.
