@@ -62,3 +62,17 @@ def test_plan_on_a_file_that_is_not_a_trace_is_one_line_and_status_2(
 def test_plan_rejects_bad_options(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["plan", *(["--synthetic", "chat"] if "--synthetic" not in bad else []), *bad])
+
+
+@pytest.mark.parametrize("option", [["--export", "out.jsonl"], ["--seed", "3"], ["--scale", "2"]])
+def test_options_of_a_synthetic_trace_given_with_a_trace_file_are_refused(
+    option: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: ``plan --trace F --export x.jsonl`` exited 0 and wrote nothing."""
+    monkeypatch.chdir(tmp_path)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}\n')
+    assert main(["plan", "--trace", str(trace), *option]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and option[0] in err and "--synthetic" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]

@@ -21,7 +21,7 @@ import msgspec
 
 from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.report import Progress, Table
-from tiered_kv.cli_errors import output_file, positive_float, positive_int
+from tiered_kv.cli_errors import UsageError, output_file, positive_float, positive_int
 from tiered_kv.errors import TieredKVError
 from tiered_kv.optimum import compulsory_bound
 from tiered_kv.planner import Plan, candidates, capacity_grid, make_plan
@@ -80,8 +80,8 @@ def add_plan_parser(subparsers: Any) -> None:
         metavar="N",
         help=f"tokens per hash id in --trace (default {MOONCAKE_BLOCK_TOKENS})",
     )
-    parser.add_argument("--scale", type=positive_float, default=1.0, help="--synthetic: length factor (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="--synthetic: seed (default 0)")
+    parser.add_argument("--scale", type=positive_float, help="--synthetic: length factor (default 1)")
+    parser.add_argument("--seed", type=int, help="--synthetic: seed (default 0)")
     parser.add_argument("--export", type=output_file, metavar="FILE", help="--synthetic: also write the trace there")
     parser.add_argument("--capacities", type=_capacities, metavar="CHUNKS", help="comma-separated capacities")
     parser.add_argument("--points", type=positive_int, default=10, help="capacities in the grid (default 10)")
@@ -111,8 +111,12 @@ def load_trace(args: argparse.Namespace, chunk_tokens: int) -> FileTrace:
     """The trace ``args`` name, keyed at ``chunk_tokens``: read from ``--trace``, or a
     synthetic one written in the format and read back."""
     if args.trace is not None:
+        given = [f"--{name}" for name in ("scale", "seed", "export") if getattr(args, name) is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} shape a --synthetic trace; --trace reads one as it is")
         return read_trace(args.trace, block_tokens=args.trace_block_tokens, chunk_tokens=chunk_tokens)
-    requests = standard_traces(args.seed, scale=args.scale, chunk_tokens=chunk_tokens)[args.synthetic]
+    seed, scale = args.seed or 0, args.scale or 1.0
+    requests = standard_traces(seed, scale=scale, chunk_tokens=chunk_tokens)[args.synthetic]
     data = b"".join(trace_lines(requests, block_tokens=chunk_tokens))
     if args.export is not None:
         args.export.parent.mkdir(parents=True, exist_ok=True)
