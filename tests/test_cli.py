@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -414,3 +415,18 @@ def test_a_count_rate_or_share_that_is_not_positive_and_finite_is_a_usage_error(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"argument {command[-2]}" in err, err
+
+
+def test_main_runs_in_a_thread_and_leaves_the_callers_signal_handlers_as_they_were(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Signal handlers can only be set from the main thread; an embedding that runs the
+    CLI in another thread must not get a ValueError, nor a changed SIGINT afterwards."""
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    codes: list[int] = []
+    worker = threading.Thread(target=lambda: codes.append(main(["plan", "--synthetic", "chat", "--points", "2"])))
+    worker.start()
+    worker.join()
+    assert codes == [0]
+    assert main(["plan", "--synthetic", "chat", "--points", "2"]) == 0
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before

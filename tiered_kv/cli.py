@@ -12,6 +12,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from types import FrameType
@@ -104,12 +105,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     configure_logging(args.log_format, args.log_level)
     terminated = _TermAsInterrupt()
-    previous = signal.signal(signal.SIGTERM, terminated)
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        # A shell's background job starts with SIGINT ignored, which would make SIGTERM
-        # do nothing; Python's own handler lets asyncio.run cancel its main task instead.
-        # (The terminal's Ctrl-C never reaches a background job's process group.)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Signal handlers belong to the main thread: a caller running main() in another
+    # thread keeps its own, and whatever main() changes it puts back when it returns.
+    handling = threading.current_thread() is threading.main_thread()
+    previous = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) if handling else None
+    if handling:
+        signal.signal(signal.SIGTERM, terminated)
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            # A shell's background job starts with SIGINT ignored, which would make SIGTERM
+            # do nothing; Python's own handler lets asyncio.run cancel its main task instead.
+            # (The terminal's Ctrl-C never reaches a background job's process group.)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code: int = args.handler(args)
     except UsageError as exc:
@@ -126,7 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{prog}: error: {describe(exc)} (--log-level debug shows the traceback)", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous[0])
+            signal.signal(signal.SIGINT, previous[1])
     return code
 
 
