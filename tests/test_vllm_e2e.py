@@ -113,7 +113,10 @@ def _engine_run(
     args = [str(TESTS / "vllm_engine_run.py"), "--model", str(tiny_llama), "--out", str(report), "--steps", steps]
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-    seconds = _run([*args, *extra], work / f"{name}.log", env)
+    log = work / f"{name}.log"
+    seconds = _run([*args, *extra], log, env)
+    killed = [line for line in log.read_text().splitlines() if "force killing" in line]
+    assert not killed, f"vLLM killed the engine core at shutdown, before its own teardown ended ({log}): {killed}"
     result: dict[str, Any] = json.loads(report.read_text())
     result["process_s"] = seconds
     cold = result["phases"]["cold"]
@@ -159,6 +162,10 @@ def _tiered_kv_run(
     stats = tiny_llama.parent / f"{name}-stats.json"
     config = _tiered_kv(slab_dir, stats, cpu_chunks=cpu_chunks, nvme_root=nvme_root)
     run = _engine_run(tiny_llama, name, steps, config, *extra, env=env)
+    if not stats.exists():
+        log = tiny_llama.parent / f"{name}.log"
+        shutdown = [line for line in log.read_text().splitlines() if "[shutdown]" in line]
+        pytest.fail(f"the engine core wrote no statistics to {stats}; its shutdown, in {log}:\n" + "\n".join(shutdown))
     record: dict[str, Any] = json.loads(stats.read_text())
     assert record["final"], "the engine core did not write its statistics at shutdown"
     run["statistics"] = record

@@ -37,6 +37,10 @@ _T0 = time.monotonic()
 
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 DEFAULT_STEPS = ("cold", "repeat", "reset", "after_reset")
+#: How long the engine core may take to end once told to. vLLM's default, 5 s, is what its
+#: own teardown (the worker's exit, then its process group) takes on a busy 2-core machine:
+#: past it the engine core is killed before the connector's shutdown writes its statistics.
+SHUTDOWN_TIMEOUT_S = 120.0
 
 
 def engine_env() -> None:
@@ -193,7 +197,7 @@ def main() -> None:
         "processes": tree,
         "phases": phases,
     }
-    llm.llm_engine.engine_core.shutdown()  # LLM has no public shutdown in 0.32
+    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)  # LLM has no public shutdown in 0.32
     report["shutdown_s"] = time.monotonic() - _T0 - report["import_s"] - report["engine_start_s"]
     args.out.write_text(json.dumps(report, indent=1))
 
