@@ -38,7 +38,6 @@ import gc
 import mmap
 import os
 import shutil
-import statistics
 import tempfile
 import time
 import tracemalloc
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import ScaleCheck, ScaleFigures, ScaleSize
+from tiered_kv.bench.ticks import TICK_S, Bystander, tick, worst
 from tiered_kv.cli_errors import UsageError
 from tiered_kv.config import CpuTierConfig, NvmeTierConfig, RemoteTierConfig, TieredKVConfig
 from tiered_kv.interfaces import HostTier, RecoverableTier, RemoteTier, TierDriver, TierFactory, TransferOp
@@ -67,7 +67,6 @@ SIZES = (10_000, 100_000, 1_000_000)
 REQUESTS, BATCH = 8, 32
 #: The issue's targets at 1M chunks.
 MAX_STALL_MS, P99_STALL_MS, REOPEN_S, CHUNKS_PER_S, BYTES_PER_CHUNK = 5.0, 1.0, 1.0, 20_000.0, 200.0
-TICK_S = 0.001
 #: How long the idle loop's stalls are measured first: the machine's own noise.
 IDLE_S = 1.0
 #: Chunks the cpu tier holds: enough for what is being written behind, not the tier.
@@ -111,13 +110,15 @@ def _table(figures: ScaleFigures) -> Table:
             sign = "<=" if check.at_most else ">="
             verdict = "met" if check.met else "NOT MET"
             row = [f"{size.chunks:,}", check.figure, f"{check.value:,.2f}", f"{sign} {check.target:,.0f}"]
-            rows.append([*row, verdict, check.driver])
+            rows.append([*row, verdict, check.driver, check.bystander])
     return Table(
         title=f"scale: nvme tier of {figures.chunk_bytes:,} B chunks through TieredKV, "
         f"{figures.requests} requests x {figures.batch_chunks} chunks per store",
-        headers=["chunks", "figure", "measured", "target", "", "nvme driver alone / its part"],
+        headers=["chunks", "figure", "measured", "target", "", "nvme driver alone / its part", "other process"],
         rows=rows,
         note="stalls: how late a 1 ms sleep of the event loop wakes; timings on a shared machine are noisy\n"
+        "other process: the stalls of a loop in another process that only ticks, during the same growth "
+        "(what this machine does to any loop under this load)\n"
         f"the idle loop on this machine, same run: max {figures.idle_stall_max_ms:.1f} ms, "
         f"p99 {figures.idle_stall_p99_ms:.2f} ms\n"
         + "\n".join(
@@ -140,7 +141,7 @@ class _Ticker:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        task = asyncio.ensure_future(self._run())
+        task = asyncio.ensure_future(tick(self._lates))
         gc.callbacks.append(self._collecting)
         try:
             yield
@@ -156,24 +157,14 @@ class _Ticker:
         else:
             self._gc.append(time.perf_counter() - self._gc_started)
 
-    async def _run(self) -> None:
-        clock = time.perf_counter
-        while True:
-            started = clock()
-            await asyncio.sleep(TICK_S)
-            self._lates.append(clock() - started - TICK_S)
-
     async def take(self) -> tuple[float, float, float]:
         """``(max, p99)`` stall and the longest garbage collection, in ms, since the last
         take. Yields to the loop first: a wake-up that a blocking step delayed is counted
         once it has run."""
         await asyncio.sleep(TICK_S)
-        lates, self._lates = self._lates, []
+        lates, self._lates[:] = self._lates[:], []
         collections, self._gc = self._gc, []
-        longest_gc = max(collections, default=0.0) * 1e3
-        if len(lates) < 2:
-            return max(lates, default=0.0) * 1e3, max(lates, default=0.0) * 1e3, longest_gc
-        return max(lates) * 1e3, statistics.quantiles(lates, n=100, method="inclusive")[98] * 1e3, longest_gc
+        return *worst(lates), max(collections, default=0.0) * 1e3
 
 
 class _TimedTiers:
@@ -271,9 +262,14 @@ async def _grow_driver(tier: Any, start: int, target: int, buffers: Sequence[tor
     await tier.sync()
 
 
-def _check(figure: str, value: float, target: float, *, at_most: bool, driver: str) -> ScaleCheck:
+def _check(
+    figure: str, value: float, target: float, *, at_most: bool, driver: str, other: float | None = None
+) -> ScaleCheck:
     met = value <= target if at_most else value >= target
-    return ScaleCheck(figure=figure, value=value, target=target, at_most=at_most, met=met, driver=driver)
+    bystander = "" if other is None else f"{other:.2f}"
+    return ScaleCheck(
+        figure=figure, value=value, target=target, at_most=at_most, met=met, driver=driver, bystander=bystander
+    )
 
 
 async def _driver_pass(root: Path, sizes: list[int], progress: Progress) -> list[tuple[float, float, float]]:
@@ -323,14 +319,17 @@ async def _index_bytes(root: Path, capacity: int, cache: list[torch.Tensor], key
         tracemalloc.stop()
 
 
-async def _frozen_pass(root: Path, sizes: list[int], progress: Progress) -> list[tuple[float, float, float]]:
+async def _frozen_pass(
+    root: Path, sizes: list[int], other: Bystander, progress: Progress
+) -> list[tuple[float, float, float, float, float]]:
     """Per size: ``(max, p99 stall, longest garbage collection)`` of a ``TieredKV`` growing a
-    store under ``root`` to it, the host's heap frozen once the manager was registered."""
+    store under ``root`` to it, the host's heap frozen once the manager was registered,
+    and ``(max, p99)`` of the bystander meanwhile."""
     from tiered_kv.manager import TieredKV
 
     ticker = _Ticker()
     keys = _Keys()
-    out: list[tuple[float, float, float]] = []
+    out: list[tuple[float, float, float, float, float]] = []
     kv = TieredKV(_config(root, sizes[-1]))
     try:
         await kv.register(NAMESPACE, [_engine_cache()])
@@ -342,8 +341,9 @@ async def _frozen_pass(root: Path, sizes: list[int], progress: Progress) -> list
                 for size in sizes:
                     progress.step(len(out), len(sizes), f"TieredKV to {size:,} chunks, heap frozen")
                     await ticker.take()
+                    await other.take()
                     await _grow(kv, size, keys)
-                    out.append(await ticker.take())
+                    out.append((*await ticker.take(), *await other.take()))
         finally:
             if thawed:
                 gc.unfreeze()
@@ -363,13 +363,18 @@ async def _idle_stalls() -> tuple[float, float]:
 
 
 async def measure(root: Path, sizes: list[int], progress: Progress) -> ScaleFigures:
+    async with Bystander().running() as other:
+        return await _measure(root, sizes, other, progress)
+
+
+async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Progress) -> ScaleFigures:
     from tiered_kv.manager import RegistryTiers, TieredKV
 
     progress.step(0, len(sizes), "the idle loop's stalls")
     idle_max, idle_p99 = await _idle_stalls()
     driver = await _driver_pass(root / "driver", sizes, progress)
     await asyncio.to_thread(shutil.rmtree, root / "driver", ignore_errors=True)
-    frozen = await _frozen_pass(root / "frozen", sizes, progress)
+    frozen = await _frozen_pass(root / "frozen", sizes, other, progress)
     cache = _engine_cache()
     store = root / "store"
     ticker = _Ticker()
@@ -382,10 +387,12 @@ async def measure(root: Path, sizes: list[int], progress: Progress) -> ScaleFigu
             for i, size in enumerate(sizes):
                 progress.step(i, len(sizes), f"TieredKV to {size:,} chunks")
                 await ticker.take()
+                await other.take()
                 before, started = _nvme_chunks(kv), time.perf_counter()
                 await _grow(kv, size, keys)
                 rate = (_nvme_chunks(kv) - before) / (time.perf_counter() - started)
                 stall_max, stall_p99, longest_gc = await ticker.take()
+                o_max, o_p99 = await other.take()
                 await kv.close()
                 tiers = _TimedTiers(RegistryTiers())
                 started = time.perf_counter()
@@ -398,12 +405,12 @@ async def measure(root: Path, sizes: list[int], progress: Progress) -> ScaleFigu
                 kv, index_bytes = await _index_bytes(store, sizes[-1], cache, keys)
                 slot_map = (KEY_BYTES + 1) * sizes[-1] / held
                 d_rate, d_max, d_p99 = driver[i]
-                f_max, f_p99, f_gc = frozen[i]
+                f_max, f_p99, f_gc, fo_max, fo_p99 = frozen[i]
                 checks = [
-                    _check("max stall (ms)", stall_max, MAX_STALL_MS, at_most=True, driver=f"{d_max:.2f}"),
-                    _check("p99 stall (ms)", stall_p99, P99_STALL_MS, at_most=True, driver=f"{d_p99:.2f}"),
-                    _check("max stall, heap frozen (ms)", f_max, MAX_STALL_MS, at_most=True, driver=""),
-                    _check("p99 stall, heap frozen (ms)", f_p99, P99_STALL_MS, at_most=True, driver=""),
+                    _check("max stall (ms)", stall_max, MAX_STALL_MS, at_most=True, driver=f"{d_max:.2f}", other=o_max),
+                    _check("p99 stall (ms)", stall_p99, P99_STALL_MS, at_most=True, driver=f"{d_p99:.2f}", other=o_p99),
+                    _check("max stall, heap frozen (ms)", f_max, MAX_STALL_MS, at_most=True, driver="", other=fo_max),
+                    _check("p99 stall, heap frozen (ms)", f_p99, P99_STALL_MS, at_most=True, driver="", other=fo_p99),
                     _check("chunks/s stored", rate, CHUNKS_PER_S, at_most=False, driver=f"{d_rate:,.0f}"),
                     _check("reopen (s)", reopen_s, REOPEN_S, at_most=True, driver=f"{tiers.nvme_s:.3f}"),
                     _check(
@@ -423,6 +430,10 @@ async def measure(root: Path, sizes: list[int], progress: Progress) -> ScaleFigu
                         frozen_stall_max_ms=f_max,
                         frozen_stall_p99_ms=f_p99,
                         frozen_gc_pause_max_ms=f_gc,
+                        bystander_stall_max_ms=o_max,
+                        bystander_stall_p99_ms=o_p99,
+                        frozen_bystander_stall_max_ms=fo_max,
+                        frozen_bystander_stall_p99_ms=fo_p99,
                         driver_stall_max_ms=d_max,
                         driver_stall_p99_ms=d_p99,
                         driver_store_chunks_per_s=d_rate,

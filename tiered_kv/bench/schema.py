@@ -140,6 +140,9 @@ class ScaleCheck(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     met: bool
     #: The nvme driver's share or its figure alone, as printed.
     driver: str
+    #: For a stall: the bystander's (a loop in another process that only ticks) during the
+    #: same growth, as printed; else empty.
+    bystander: str
 
 
 class ScaleSize(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -159,6 +162,13 @@ class ScaleSize(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     frozen_stall_max_ms: float
     frozen_stall_p99_ms: float
     frozen_gc_pause_max_ms: float
+    #: A loop in another process that only ticks (``tiered_kv.bench.ticks``), during the
+    #: growth and during the frozen growth: the stalls this machine gives any loop under
+    #: the same load, which the library's own cannot go below.
+    bystander_stall_max_ms: float
+    bystander_stall_p99_ms: float
+    frozen_bystander_stall_max_ms: float
+    frozen_bystander_stall_p99_ms: float
     #: The nvme driver alone growing a store to this size with the same batches.
     driver_stall_max_ms: float
     driver_stall_p99_ms: float
