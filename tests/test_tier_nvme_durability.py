@@ -4,6 +4,7 @@ restart, with several requests in flight at once."""
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,53 @@ async def test_concurrent_stores_drained_before_close_all_come_back(tmp_path: Pa
             blocks = list(range(4 * i, 4 * i + 4))
             assert await kv.load(NS, request_id=f"l{i}", keys=[keys[i]], block_ids=[blocks], num_tokens=16) == 16
         assert all(torch.equal(new, old) for new, old in zip(fresh, cache, strict=True))
+
+
+def _nvme_chunks(kv: TieredKV) -> int:
+    return next(tier.used_chunks for tier in kv.statistics().tiers if tier.tier == "nvme")
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_a_host_that_cancels_every_task_at_once_still_closes_with_everything_nvme_held(
+    tmp_path: Path, seed: int
+) -> None:
+    """``asyncio.run`` cancels every task of its loop at once when Ctrl-C or an error ends
+    the main task, the library's own tasks among them (the nvme journal's committer).
+    ``close`` must still commit what the nvme tier holds: before, it raised that the
+    committer had stopped, and the chunks written in the last commit window were gone
+    after a restart."""
+    rng = random.Random(seed)
+    requests = 24
+    cfg = config(tmp_path / "nvme", cpu_chunks=4, nvme_chunks=2 * requests)
+    cache = engine_cache(BLOCKS_PER_CHUNK * requests)
+    keys = [chunk_keys(NS, list(range(i * 16, i * 16 + 16))) for i in range(requests)]
+    kv = TieredKV(cfg)
+    try:
+        await kv.register(NS, [cache])
+
+        async def request(i: int) -> None:
+            await asyncio.sleep(rng.uniform(0, 0.03))
+            blocks = [list(range(4 * i, 4 * i + 4))]
+            await kv.store(NS, request_id=f"r{i}", keys=[keys[i]], block_ids=blocks)
+            await kv.finish_request(f"r{i}")
+
+        users = [asyncio.ensure_future(request(i)) for i in range(requests)]
+        await asyncio.sleep(rng.uniform(0.005, 0.04))
+        everything = asyncio.all_tasks() - {asyncio.current_task()}
+        assert everything - set(users), "the library's own tasks are cancelled too"
+        for task in everything:
+            task.cancel()
+        await asyncio.gather(*everything, return_exceptions=True)
+        held = _nvme_chunks(kv)
+    finally:
+        await kv.close()
+    fresh = engine_cache(BLOCKS_PER_CHUNK * requests, seed=1)
+    async with TieredKV(cfg) as kv:
+        await kv.register(NS, [fresh])
+        assert _nvme_chunks(kv) == held
+        found = [i for i in range(requests) if kv.lookup(NS, [keys[i]])]
+        assert len(found) == held
+        for i in found:
+            blocks = list(range(4 * i, 4 * i + 4))
+            assert await kv.load(NS, request_id=f"l{i}", keys=[keys[i]], block_ids=[blocks], num_tokens=16) == 16
+            assert all(torch.equal(new[blocks], old[blocks]) for new, old in zip(fresh, cache, strict=True))

@@ -10,6 +10,11 @@ The crash bound: a record is durable once the commit that took it returns, so a 
 loses at most the records of the window being gathered and of the commit in flight.
 A commit that fails keeps its records for the next one (a journal frame that did not
 land is overwritten) and is reported to every ``sync`` waiting for it.
+
+The committing task belongs to this object, but the host may cancel it: ``asyncio.run``
+cancels every task of the loop at once when Ctrl-C or an error ends its main task, and
+a server's shutdown may do the same. A ``sync`` (a drain, a close) that finds it
+cancelled starts it again, so that what was acknowledged is still committed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from tiered_kv.log import get_logger
 from tiered_kv.tiers._driver import in_threads
 
 log = get_logger("nvme")
+
+
+class _Cancelled(TierIOError):
+    """What a ``sync`` waiting on a commit hears when the committing task was cancelled."""
 
 
 class GroupCommit:
@@ -45,8 +54,13 @@ class GroupCommit:
         self._now = asyncio.Event()
         #: Resolved when the commit in flight (or the next one) ends: None, or its error.
         self._ended: asyncio.Future[TierError | None] = asyncio.get_running_loop().create_future()
-        self._task = asyncio.ensure_future(self._run())
-        self._task.set_name(name)
+        self._closed = False
+        self._task = self._start()
+
+    def _start(self) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(self._run())
+        task.set_name(self._name)
+        return task
 
     @property
     def pending(self) -> int:
@@ -65,22 +79,36 @@ class GroupCommit:
         target = self._added
         while self._durable < target:
             if self._task.done():
-                raise TierIOError("the journal's committer has stopped", tier="nvme")
+                self._restart()
             ended = self._ended
             self._now.set()
             self._wake.set()
             error = await asyncio.shield(ended)
-            if error is not None:
+            if error is not None and not isinstance(error, _Cancelled):
                 raise TierIOError(f"committing the journal: {error.detail}", tier="nvme") from error
+
+    def _restart(self) -> None:
+        """Start the committing task again if the host cancelled it; raise if it was closed
+        or died of an error of its own."""
+        if self._closed:
+            raise TierIOError("the journal's committer is closed", tier="nvme")
+        if not self._task.cancelled():
+            error = self._task.exception()
+            raise TierIOError(f"the journal's committer failed: {error!r}", tier="nvme") from error
+        log.info("nvme.committer_restarted", committer=self._name, pending=self.pending)
+        self._task = self._start()
 
     async def close(self) -> None:
         """Commit what is queued, then stop; raises what :meth:`sync` raises, stopped anyway."""
         try:
             await self.sync()
         finally:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            self._closed = True
+            task = self._task
+            task.cancel()
+            await asyncio.wait([task])  # its own end; a cancellation of this close still raises
+            if not task.cancelled() and (error := task.exception()) is not None:
+                log.warning("nvme.committer_failed", committer=self._name, error=repr(error))
 
     async def _run(self) -> None:
         while True:
@@ -101,9 +129,12 @@ class GroupCommit:
                 self._pending[:0] = records  # retried by the next commit an add or a sync asks for
                 log.warning("nvme.commit_failed", committer=self._name, error=str(exc))
                 ended.set_result(exc)
-            except BaseException:
-                self._pending[:0] = records
-                ended.set_result(TierIOError("the journal's committer was stopped", tier="nvme"))
+            except BaseException as exc:
+                self._pending[:0] = records  # committed again, whether or not this commit landed
+                if isinstance(exc, asyncio.CancelledError):
+                    ended.set_result(_Cancelled("the journal's committer was cancelled", tier="nvme"))
+                else:
+                    ended.set_result(TierIOError(f"the journal's committer failed: {exc!r}", tier="nvme"))
                 raise
             else:
                 self._durable = upto

@@ -1,0 +1,102 @@
+"""The nvme journal's group commit (``tiers/nvme_commit.py``) when the host cancels its
+committing task: what was added is still committed by the next ``sync``."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from tiered_kv.errors import TierIOError
+from tiered_kv.tiers.nvme_commit import GroupCommit
+
+WINDOW_S = 0.01
+
+
+class Journal:
+    """A commit function that records what it was given; ``gate`` holds a commit in its thread."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.fail: Exception | None = None
+
+    def commit(self, records: bytes) -> None:
+        self.entered.set()
+        self.gate.wait()
+        if self.fail is not None:
+            raise self.fail
+        self.frames.append(records)
+
+    def committed(self) -> bytes:
+        return b"".join(self.frames)
+
+
+@pytest.fixture
+def executor() -> Any:
+    with ThreadPoolExecutor(1) as pool:
+        yield pool
+
+
+async def test_a_sync_after_the_host_cancelled_the_idle_committer_commits_everything(executor: Any) -> None:
+    journal = Journal()
+    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    commits.add(b"a", 1)
+    commits._task.cancel()  # what asyncio.run does to every task on Ctrl-C
+    await asyncio.sleep(0)
+    commits.add(b"b", 1)
+    await commits.sync()  # before: TierIOError("the journal's committer has stopped")
+    assert journal.committed() == b"ab" and commits.pending == 0
+    await commits.close()
+
+
+async def test_a_commit_in_flight_when_the_host_cancels_is_committed_again_and_its_sync_returns(
+    executor: Any,
+) -> None:
+    journal = Journal()
+    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    journal.gate.clear()
+    commits.add(b"a", 1)
+    waiting = asyncio.ensure_future(commits.sync())
+    await asyncio.to_thread(journal.entered.wait)
+    commits.add(b"b", 1)
+    commits._task.cancel()  # the commit of b"a" is running in its thread
+    await asyncio.sleep(0.01)
+    journal.gate.set()
+    await waiting
+    await commits.sync()
+    # The cancelled commit's records are committed again ahead of what came after, so
+    # that a slot's last record is still its newest.
+    assert journal.committed() in (b"ab", b"aab") and journal.frames[-1].endswith(b"b")
+    assert commits.pending == 0
+    await commits.close()
+
+
+async def test_a_committer_that_died_of_an_error_is_reported_not_restarted(executor: Any) -> None:
+    journal = Journal()
+    journal.fail = ValueError("a bug")
+    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    commits.add(b"a", 1)
+    with pytest.raises(TierIOError, match="failed: ValueError"):
+        await commits.sync()
+    with pytest.raises(TierIOError, match="failed: ValueError"):
+        await commits.sync()
+    assert commits.pending == 1, "the records stay queued"
+    with pytest.raises(TierIOError):
+        await commits.close()
+
+
+async def test_a_sync_after_close_is_an_error(executor: Any) -> None:
+    journal = Journal()
+    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    commits.add(b"a", 1)
+    await commits.close()
+    assert journal.committed() == b"a"
+    commits.add(b"b", 1)
+    with pytest.raises(TierIOError, match="closed"):
+        await commits.sync()
