@@ -260,3 +260,29 @@ async def test_gate_and_budget_under_random_cancellations_keep_their_counts(seed
     assert not pending, f"{len(pending)} tasks never finished: gate {gate.holders}/{gate.waiting}"
     assert gate.holders == 0 and gate.waiting == 0
     assert budget.used == 0
+
+
+def test_a_keyboard_interrupt_in_a_background_task_is_the_hosts_not_a_failure_of_the_library() -> None:
+    """Ctrl-C lands in whichever task runs: asyncio raises it out of the loop, and it
+    must not also be kept as a background failure that a later ``close`` raises."""
+    scheduler: Scheduler | None = None
+
+    async def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    async def main() -> None:
+        nonlocal scheduler
+        scheduler = Scheduler()
+        scheduler.spawn(interrupted(), name="copy")
+        await asyncio.sleep(1)
+
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(main())
+        loop.run_until_complete(asyncio.sleep(0))  # the task's done callback
+    finally:
+        loop.close()
+    assert scheduler is not None
+    assert scheduler.fatal is None
+    scheduler.check()

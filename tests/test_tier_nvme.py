@@ -594,3 +594,31 @@ async def test_a_failed_write_of_consecutive_slots_leaves_the_whole_batch_unread
     tier = await open_store(tmp_path)
     assert tier.recovered() == {}
     await tier.close()
+
+
+def _awaiting(task: asyncio.Task[Any]) -> list[str]:
+    """The names of the coroutines ``task`` is suspended in, outermost first."""
+    names, coro = [], task.get_coro()
+    while coro is not None and hasattr(coro, "cr_code"):
+        names.append(coro.cr_code.co_name)
+        coro = coro.cr_await
+    return names
+
+
+async def test_a_close_cancelled_while_it_releases_still_lets_go_of_the_files_and_the_lock(tmp_path: Path) -> None:
+    """A second cancellation (a host's cancel-all) landing in the release of a close, or
+    of an open that gave up: the files and the store's lock were kept for the process's
+    life, and every later open of the store failed with 'in use by another process'."""
+    tier = await open_store(tmp_path)
+    closing = asyncio.ensure_future(tier.close())
+    for _ in range(10_000):
+        await asyncio.sleep(0)
+        if "_release" in _awaiting(closing):
+            break
+    else:
+        pytest.fail("the close never reached its release")
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    again = await open_store(tmp_path)
+    await again.close()

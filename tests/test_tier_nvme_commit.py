@@ -100,3 +100,23 @@ async def test_a_sync_after_close_is_an_error(executor: Any) -> None:
     commits.add(b"b", 1)
     with pytest.raises(TierIOError, match="closed"):
         await commits.sync()
+
+
+async def test_a_sync_begun_while_the_cancelled_commit_was_in_its_thread_still_returns(executor: Any) -> None:
+    """The sync waits for the commit after the one in flight; the committer, cancelled
+    meanwhile, must wake it (it hung: nothing resolved the next commit's future)."""
+    journal = Journal()
+    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    journal.gate.clear()
+    commits.add(b"a", 1)
+    await asyncio.to_thread(journal.entered.wait)  # the commit of b"a" took its records
+    commits.add(b"b", 1)
+    waiting = asyncio.ensure_future(commits.sync())
+    await asyncio.sleep(0)
+    commits._task.cancel()
+    await asyncio.sleep(0.01)
+    journal.gate.set()
+    async with asyncio.timeout(10):
+        await waiting
+    assert journal.frames[-1].endswith(b"b") and commits.pending == 0
+    await commits.close()

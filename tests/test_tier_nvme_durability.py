@@ -63,6 +63,16 @@ def _nvme_chunks(kv: TieredKV) -> int:
     return next(tier.used_chunks for tier in kv.statistics().tiers if tier.tier == "nvme")
 
 
+async def _cancel_every_other_task() -> set[asyncio.Task[object]]:
+    """What ``asyncio.run`` does to the loop's tasks on Ctrl-C: cancel them all at once,
+    and wait for them to end; the tasks it cancelled."""
+    everything = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in everything:
+        task.cancel()
+    await asyncio.gather(*everything, return_exceptions=True)
+    return everything
+
+
 @pytest.mark.parametrize("seed", range(8))
 async def test_a_host_that_cancels_every_task_at_once_still_closes_with_everything_nvme_held(
     tmp_path: Path, seed: int
@@ -89,11 +99,8 @@ async def test_a_host_that_cancels_every_task_at_once_still_closes_with_everythi
 
         users = [asyncio.ensure_future(request(i)) for i in range(requests)]
         await asyncio.sleep(rng.uniform(0.005, 0.04))
-        everything = asyncio.all_tasks() - {asyncio.current_task()}
-        assert everything - set(users), "the library's own tasks are cancelled too"
-        for task in everything:
-            task.cancel()
-        await asyncio.gather(*everything, return_exceptions=True)
+        cancelled = await _cancel_every_other_task()
+        assert cancelled - set(users), "the library's own tasks are cancelled too"
         held = _nvme_chunks(kv)
     finally:
         await kv.close()
@@ -107,3 +114,30 @@ async def test_a_host_that_cancels_every_task_at_once_still_closes_with_everythi
             blocks = list(range(4 * i, 4 * i + 4))
             assert await kv.load(NS, request_id=f"l{i}", keys=[keys[i]], block_ids=[blocks], num_tokens=16) == 16
             assert all(torch.equal(new[blocks], old[blocks]) for new, old in zip(fresh, cache, strict=True))
+
+
+@pytest.mark.parametrize("steps", range(6))
+async def test_a_cancel_all_while_close_runs_still_closes_every_driver(tmp_path: Path, steps: int) -> None:
+    """A server's shutdown task closes the manager and a cancel-all comes ``steps`` loop
+    iterations later. Before, close's own shutdown task was cancelled with the rest (once
+    before it even began), the manager counted as closed, and the nvme store stayed
+    locked: a new manager on the root failed with 'in use by another process'."""
+    cfg = config(tmp_path / "nvme", cpu_chunks=2, nvme_chunks=32)
+    cache = engine_cache(BLOCKS_PER_CHUNK * 8)
+    keys = [chunk_keys(NS, list(range(i * 16, i * 16 + 16))) for i in range(8)]
+    kv = TieredKV(cfg)
+    await kv.register(NS, [cache])
+    for i in range(8):
+        await kv.store(NS, request_id=f"r{i}", keys=[keys[i]], block_ids=[list(range(4 * i, 4 * i + 4))])
+    await kv.drain()
+    held = _nvme_chunks(kv)
+    closing = asyncio.ensure_future(kv.close())
+    for _ in range(steps):
+        await asyncio.sleep(0)
+    await _cancel_every_other_task()
+    assert closing.done()
+    async with asyncio.timeout(30):
+        await kv.close()  # the second close waits for the first one's end
+    async with TieredKV(cfg) as again:
+        await again.register(NS, [engine_cache(BLOCKS_PER_CHUNK * 8, seed=1)])
+        assert _nvme_chunks(again) == held

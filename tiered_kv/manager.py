@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -81,7 +82,7 @@ from tiered_kv.layout import AttentionKind
 from tiered_kv.log import bound_to_call, get_logger
 from tiered_kv.namespace import Namespace
 from tiered_kv.registry import TIERS
-from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler
+from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler, wait_out
 from tiered_kv.spans import cdiv, span_chunks, validate_window_span, window_span
 from tiered_kv.stats import KVEvent, RemotePoolStatistics, Statistics
 from tiered_kv.telemetry import Telemetry
@@ -116,6 +117,24 @@ class _Drivers:
     def stores(self) -> list[TierDriver]:
         """The drivers that keep chunks (all but the GPU ones)."""
         return [self.cpu, *([self.nvme] if self.nvme else []), *([self.remote] if self.remote else [])]
+
+
+async def _close_drivers(drivers: Iterable[TierDriver]) -> tuple[list[BaseException], bool]:
+    """Close each of ``drivers`` to its end, and the rest after it, even when the awaiting
+    task is cancelled meanwhile; the failures (logged), and whether a cancellation came
+    (the caller raises it). A close the host cancelled itself has released what it held
+    in its own clean-up."""
+    failures: list[BaseException] = []
+    cancelled = False
+    for driver in drivers:
+        closing = asyncio.ensure_future(driver.close())
+        cancelled |= await wait_out([closing])
+        if closing.cancelled():
+            cancelled = True
+        elif (exc := closing.exception()) is not None:
+            log.error("driver.close_failed", tier=driver.name, error=repr(exc))
+            failures.append(exc)
+    return failures, cancelled
 
 
 class _StoreJob:
@@ -213,6 +232,9 @@ class TieredKV:
         self._jobs: dict[str, set[_StoreJob]] = collections.defaultdict(set)
         self._loads_in_flight = 0
         self._closed = False
+        self._shutting_down: asyncio.Task[None] | None = None
+        #: Set once every driver is closed: what failed to close.
+        self._close_failures: list[BaseException] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> TieredKV:
@@ -225,6 +247,7 @@ class TieredKV:
         """Finish (or, with ``drain=False``, cancel) background copies, then close every
         driver. Raises the first fatal background error, if one happened."""
         if self._closed:
+            await self._shut_down_to_the_end()  # a close that a cancellation cut short
             return
         try:
             if drain and self._scheduler.fatal is None:
@@ -232,29 +255,35 @@ class TieredKV:
         finally:
             self._closed = True
             self._scheduler.cancel()  # no background copy gets another step
-            # Shielded: a caller's deadline must not leave drivers (files, threads) open.
-            await asyncio.shield(self._shut_down())
+            failures = await self._shut_down_to_the_end()
+        if failures:
+            raise failures[0]
         self._scheduler.check()
 
+    async def _shut_down_to_the_end(self) -> list[BaseException]:
+        """Run :meth:`_shut_down` in a task of its own until every driver is closed (again
+        when a host's cancel-all cancelled that task before it began); the drivers'
+        failures to close. Neither a caller's deadline nor a cancel-all may leave files,
+        locks or threads open; a caller cancelled meanwhile leaves the task running."""
+        while self._close_failures is None:
+            if self._shutting_down is None or self._shutting_down.done():
+                self._shutting_down = asyncio.ensure_future(self._shut_down())
+            await asyncio.wait([self._shutting_down])
+        return self._close_failures
+
     async def _shut_down(self) -> None:
-        """Stop background copies, then close every driver, even after one fails to close;
-        the first failure is raised once all are closed."""
-        await self._scheduler.close()
+        """Stop background copies, then close every driver, even after one fails to close
+        (the failures are kept for :meth:`close`). A cancellation meanwhile cuts none of
+        it short."""
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._scheduler.close()  # which finishes its tasks' unwinding first
         # Promotions cancelled before their first step never settled their loads' claims.
         for pool in self._control.pools.values():
             pool.claims.clear()
         # A registration still opening pools commits them (and so hands them over to be
         # closed below) or fails and closes what it opened.
-        await asyncio.gather(*self._opening.values(), return_exceptions=True)
-        failures: list[BaseException] = []
-        for driver in self._all_drivers():
-            try:
-                await driver.close()
-            except Exception as exc:
-                log.error("driver.close_failed", tier=driver.name, error=repr(exc))
-                failures.append(exc)
-        if failures:
-            raise failures[0]
+        await wait_out(self._opening.values())
+        self._close_failures, _ = await _close_drivers(self._all_drivers())
 
     def _check(self) -> None:
         if self._closed:
@@ -305,8 +334,7 @@ class TieredKV:
                         field="kv_caches",
                     )
         except BaseException:
-            for gpu in gpus:
-                await gpu.close()
+            await _close_drivers(gpus)
             raise
         for group, gpu in enumerate(gpus):
             self._drivers[(base.fingerprint_hex, group)].gpus[namespace.tp_rank] = gpu
@@ -374,9 +402,7 @@ class TieredKV:
             self._cpu_left += cpu_budget
             self._nvme_left += nvme_budget
             self._ranks_opened[model] -= 1
-            for drivers in opened:
-                for driver in drivers.stores():
-                    await driver.close()
+            await _close_drivers(driver for drivers in opened for driver in drivers.stores())
             raise
         for pool, drivers in zip(pools, opened, strict=True):
             self._drivers[pool.id] = drivers
@@ -425,8 +451,7 @@ class TieredKV:
             if remote is not None:
                 drivers.remote = await self._tiers.remote(base, group, chunk_bytes, remote.hint_chunks, remote)
         except BaseException:
-            for driver in drivers.stores():
-                await driver.close()
+            await _close_drivers(drivers.stores())
             raise
         return drivers
 

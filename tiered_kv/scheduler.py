@@ -17,7 +17,7 @@ import contextlib
 import functools
 import heapq
 import itertools
-from collections.abc import Callable, Coroutine, Hashable
+from collections.abc import Callable, Coroutine, Hashable, Iterable
 from typing import Any, TypeVar
 
 from tiered_kv.checks import is_int_at_least
@@ -200,6 +200,8 @@ class Scheduler:
         if task.cancelled():
             return
         exc = task.exception()
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # the host's, raised out of the loop already
+            return
         if exc is not None and self.fatal is None:
             self.fatal = exc
             log.error("task.failed", task=task.get_name(), error=repr(exc))
@@ -233,10 +235,31 @@ class Scheduler:
             task.cancel()
 
     async def close(self) -> None:
-        """Cancel every background task and wait for each to finish unwinding."""
+        """Cancel every background task and wait for each to finish unwinding; a
+        cancellation of the caller meanwhile is raised once they have."""
         self.cancel()
+        cancelled = False
         while self._tasks:
             tasks = list(self._tasks)
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            cancelled |= await wait_out(tasks)
+            self._tasks.difference_update(tasks)  # done; their done callbacks may not have run yet
+        if cancelled:
+            raise asyncio.CancelledError
+
+
+async def wait_out(futures: Iterable[asyncio.Future[Any]]) -> bool:
+    """Wait until each of ``futures`` is done, without cancelling them, even when the
+    awaiting task is cancelled meanwhile; whether it was, for the caller to raise once its
+    own clean-up is done. A host may cancel every task at once (``asyncio.run`` does on
+    Ctrl-C): a shutdown it cut short would leave files, locks and threads open."""
+    pending = [future for future in futures if not future.done()]
+    cancelled = False
+    while pending:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+        pending = [future for future in pending if not future.done()]
+    return cancelled

@@ -430,11 +430,13 @@ class NvmeTier(DriverBase):
             await self._release()
 
     async def _release(self) -> None:
-        await shutdown(self._pool)
-        self._journal.close()
-        os.close(self._fd)
-        os.close(self._lock_fd)
-        os.close(self._dir_fd)
+        try:
+            await shutdown(self._pool)  # cancelled or not, its threads have ended when it returns
+        finally:
+            self._journal.close()
+            os.close(self._fd)
+            os.close(self._lock_fd)
+            os.close(self._dir_fd)
 
     # -- nvme-specific -------------------------------------------------------------------
     def recovered(self) -> KeyInts:

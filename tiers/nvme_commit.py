@@ -96,6 +96,8 @@ class GroupCommit:
             error = self._task.exception()
             raise TierIOError(f"the journal's committer failed: {error!r}", tier="nvme") from error
         log.info("nvme.committer_restarted", committer=self._name, pending=self.pending)
+        if self._ended.done():
+            self._ended = asyncio.get_running_loop().create_future()
         self._task = self._start()
 
     async def close(self) -> None:
@@ -111,31 +113,44 @@ class GroupCommit:
                 log.warning("nvme.committer_failed", committer=self._name, error=repr(error))
 
     async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            if not self._now.is_set():
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._window_s):
-                        await self._now.wait()
-            self._wake.clear()
-            self._now.clear()
-            records, upto = bytes(self._pending), self._added
-            ended, self._ended = self._ended, asyncio.get_running_loop().create_future()
-            self._pending.clear()
-            try:
-                if records:
-                    await in_threads(self._executor, self._commit, [(records,)])
-            except TierError as exc:
-                self._pending[:0] = records  # retried by the next commit an add or a sync asks for
-                log.warning("nvme.commit_failed", committer=self._name, error=str(exc))
-                ended.set_result(exc)
-            except BaseException as exc:
-                self._pending[:0] = records  # committed again, whether or not this commit landed
-                if isinstance(exc, asyncio.CancelledError):
-                    ended.set_result(_Cancelled("the journal's committer was cancelled", tier="nvme"))
-                else:
-                    ended.set_result(TierIOError(f"the journal's committer failed: {exc!r}", tier="nvme"))
-                raise
-            else:
-                self._durable = upto
-                ended.set_result(None)
+        try:
+            while True:
+                await self._commit_next()
+        except BaseException as exc:
+            if not self._ended.done():  # a sync may be waiting for the next commit
+                self._ended.set_result(_stopped(exc))
+            raise
+
+    async def _commit_next(self) -> None:
+        """Wait for records and for the window (or a sync) to close; commit them."""
+        await self._wake.wait()
+        if not self._now.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._window_s):
+                    await self._now.wait()
+        self._wake.clear()
+        self._now.clear()
+        records, upto = bytes(self._pending), self._added
+        ended, self._ended = self._ended, asyncio.get_running_loop().create_future()
+        self._pending.clear()
+        try:
+            if records:
+                await in_threads(self._executor, self._commit, [(records,)])
+        except TierError as exc:
+            self._pending[:0] = records  # retried by the next commit an add or a sync asks for
+            log.warning("nvme.commit_failed", committer=self._name, error=str(exc))
+            ended.set_result(exc)
+        except BaseException as exc:
+            self._pending[:0] = records  # committed again, whether or not this commit landed
+            ended.set_result(_stopped(exc))
+            raise
+        else:
+            self._durable = upto
+            ended.set_result(None)
+
+
+def _stopped(exc: BaseException) -> TierIOError:
+    """What a ``sync`` waiting on a commit hears when the committing task ends with ``exc``."""
+    if isinstance(exc, asyncio.CancelledError):
+        return _Cancelled("the journal's committer was cancelled", tier="nvme")
+    return TierIOError(f"the journal's committer failed: {exc!r}", tier="nvme")
