@@ -233,6 +233,61 @@ async def test_a_deadline_on_close_does_not_leave_drivers_open() -> None:
     assert all(tier._closed for made in tiers.made.values() for tier in made)
 
 
+class BlockingClose(NullTiers):
+    """Drivers whose ``close`` waits until ``release`` is set (a driver waiting for its disk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    def _make(self, name: str, slot_bytes: int, num_slots: int) -> NullTier:
+        tier = super()._make(name, slot_bytes, num_slots)
+        inner_close = tier.close
+
+        async def close() -> None:
+            await self.release.wait()
+            await inner_close()
+
+        tier.close = close  # type: ignore[method-assign]
+        return tier
+
+
+async def test_a_deadline_while_close_drains_leaves_the_drivers_closing_and_returns() -> None:
+    """A deadline that fires while close drains background copies: close then waited for
+    every driver to close (here: for ever), although it leaves the shutdown running."""
+    tiers = BlockingClose()
+    kv = TieredKV(config(), tiers=tiers)
+    await kv.register(NS, gpu_tensors())
+    kv._scheduler.spawn(asyncio.sleep(3600), name="copy")  # a background copy to drain
+    async with asyncio.timeout(30):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await kv.close()
+    assert not any(tier._closed for made in tiers.made.values() for tier in made), "still closing"
+    tiers.release.set()
+    async with asyncio.timeout(30):
+        await kv.close()  # the second close waits for the first one's end
+    assert all(tier._closed for made in tiers.made.values() for tier in made)
+
+
+async def test_a_shutdown_that_fails_of_an_error_of_its_own_is_raised_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not started again for ever: close restarted a shutdown that ended by an exception."""
+    calls = 0
+
+    def broken(self: TieredKV) -> list[object]:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("a bug in the shutdown")
+
+    kv = TieredKV(config(), tiers=NullTiers())
+    await kv.register(NS, gpu_tensors())
+    monkeypatch.setattr(TieredKV, "_all_drivers", broken)
+    with pytest.raises(RuntimeError, match="a bug in the shutdown"):
+        async with asyncio.timeout(30):
+            await kv.close()
+    assert calls == 1
+
+
 @pytest.mark.parametrize(
     "argument", ["max_store_chunks", "max_write_behind_chunks", "copy_concurrency", "max_events", "max_tenants"]
 )

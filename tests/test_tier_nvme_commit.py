@@ -120,3 +120,46 @@ async def test_a_sync_begun_while_the_cancelled_commit_was_in_its_thread_still_r
         await waiting
     assert journal.frames[-1].endswith(b"b") and commits.pending == 0
     await commits.close()
+
+
+async def test_a_sync_returns_when_the_restarted_committer_is_cancelled_before_its_first_step(
+    executor: Any,
+) -> None:
+    """Two cancel-alls in a row: the committer a sync started again is cancelled before
+    it ran a line, so it resolves nothing; the sync waited for it forever."""
+    journal = Journal()
+    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    await asyncio.sleep(0)
+    commits._task.cancel()  # the first sweep
+    await asyncio.sleep(0)
+    commits.add(b"a", 1)
+    waiting = asyncio.ensure_future(commits.sync())
+    await asyncio.sleep(0)  # the sync started the committer again and waits for it
+    commits._task.cancel()  # the second sweep, before the new committer's first step
+    async with asyncio.timeout(10):
+        await waiting
+    assert journal.committed() == b"a"
+    await commits.close()
+
+
+async def test_close_cancelled_while_it_commits_still_commits_what_was_queued(executor: Any) -> None:
+    """A cancel-all cancels the nvme driver's close along with the committer while a
+    commit is in flight and more records wait behind it: they were lost (the close
+    marked itself closed and stopped the committer); the close raises the cancellation
+    once they are committed."""
+    journal = Journal()
+    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    journal.gate.clear()
+    commits.add(b"a", 1)
+    await asyncio.to_thread(journal.entered.wait)  # the commit of b"a" is in its thread
+    commits.add(b"b", 1)
+    closing = asyncio.ensure_future(commits.close())
+    await asyncio.sleep(0)
+    closing.cancel()
+    commits._task.cancel()
+    await asyncio.sleep(0.01)
+    journal.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(10):
+            await closing
+    assert journal.frames[-1].endswith(b"b") and commits.pending == 0

@@ -119,6 +119,10 @@ class _Drivers:
         return [self.cpu, *([self.nvme] if self.nvme else []), *([self.remote] if self.remote else [])]
 
 
+#: How many times a shutdown step that a host's cancel-all ended before it began is started.
+SHUT_DOWN_STARTS = 3
+
+
 async def _close_drivers(drivers: Iterable[TierDriver]) -> tuple[list[BaseException], bool]:
     """Close each of ``drivers`` to its end, and the rest after it, even when the awaiting
     task is cancelled meanwhile; the failures (logged), and whether a cancellation came
@@ -127,11 +131,13 @@ async def _close_drivers(drivers: Iterable[TierDriver]) -> tuple[list[BaseExcept
     failures: list[BaseException] = []
     cancelled = False
     for driver in drivers:
-        closing = asyncio.ensure_future(driver.close())
-        cancelled |= await wait_out([closing])
-        if closing.cancelled():
+        for _ in range(SHUT_DOWN_STARTS):  # again when cancelled before it began (one begun returns at once)
+            closing = asyncio.ensure_future(driver.close())
+            cancelled |= await wait_out([closing])
+            if not closing.cancelled():
+                break
             cancelled = True
-        elif (exc := closing.exception()) is not None:
+        if not closing.cancelled() and (exc := closing.exception()) is not None:
             log.error("driver.close_failed", tier=driver.name, error=repr(exc))
             failures.append(exc)
     return failures, cancelled
@@ -233,6 +239,7 @@ class TieredKV:
         self._loads_in_flight = 0
         self._closed = False
         self._shutting_down: asyncio.Task[None] | None = None
+        self._shut_down_began = False
         #: Set once every driver is closed: what failed to close.
         self._close_failures: list[BaseException] | None = None
 
@@ -255,26 +262,55 @@ class TieredKV:
         finally:
             self._closed = True
             self._scheduler.cancel()  # no background copy gets another step
-            failures = await self._shut_down_to_the_end()
+            self._start_shut_down()  # a caller's deadline leaves it running
+        failures = await self._shut_down_to_the_end()
         if failures:
             raise failures[0]
         self._scheduler.check()
 
+    def _start_shut_down(self) -> None:
+        self._shut_down_began = False
+        self._shutting_down = asyncio.ensure_future(self._shut_down())
+
     async def _shut_down_to_the_end(self) -> list[BaseException]:
-        """Run :meth:`_shut_down` in a task of its own until every driver is closed (again
-        when a host's cancel-all cancelled that task before it began); the drivers'
-        failures to close. Neither a caller's deadline nor a cancel-all may leave files,
-        locks or threads open; a caller cancelled meanwhile leaves the task running."""
-        while self._close_failures is None:
-            if self._shutting_down is None or self._shutting_down.done():
-                self._shutting_down = asyncio.ensure_future(self._shut_down())
-            await asyncio.wait([self._shutting_down])
-        return self._close_failures
+        """Wait for the drivers' shutdown; the drivers' failures to close.
+
+        Once begun, the shutdown task finishes on its own (it sees every step through
+        when cancelled), so a caller cancelled meanwhile leaves it running. A host's
+        cancel-all (``asyncio.run`` on Ctrl-C) may cancel it before it began, which ends
+        it at once: it is started again, and this caller, though cancelled with it,
+        waits for it (``asyncio.run`` waits for the tasks it cancelled, not for one
+        started after) and raises the cancellation after."""
+        cancelled = False
+        starts = 1
+        while True:
+            task = self._shutting_down
+            assert task is not None, "close started it"
+            if task.done() and not self._shut_down_began:
+                if starts == SHUT_DOWN_STARTS:
+                    raise TieredKVError(f"the shutdown was cancelled before it began {starts} times")
+                starts += 1
+                self._start_shut_down()
+                continue
+            if task.done():
+                break
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                if self._shut_down_began:
+                    raise
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+        if self._close_failures is None:
+            task.result()  # it ended by an error of its own: raised here
+        return self._close_failures or []
 
     async def _shut_down(self) -> None:
         """Stop background copies, then close every driver, even after one fails to close
         (the failures are kept for :meth:`close`). A cancellation meanwhile cuts none of
         it short."""
+        self._shut_down_began = True
         with contextlib.suppress(asyncio.CancelledError):
             await self._scheduler.close()  # which finishes its tasks' unwinding first
         # Promotions cancelled before their first step never settled their loads' claims.

@@ -419,15 +419,29 @@ class NvmeTier(DriverBase):
         if self._closed:
             return
         self._closed = True
+        # A host's cancel-all cancels this close too: each step is seen through, so that
+        # what was written is committed, and the cancellation is raised at the end.
+        cancelled = False
         try:
-            await self._idle.wait()
-            await self._committer().close()
+            try:
+                await self._idle.wait()
+            except asyncio.CancelledError:
+                cancelled = True
+                await self._idle.wait()
+            try:
+                await self._committer().close()
+            except asyncio.CancelledError:
+                cancelled = True
             try:
                 await in_threads(self._pool, self._journal.compact, [()])
+            except asyncio.CancelledError:
+                cancelled = True
             except (OSError, TierError) as exc:  # the journal stays as it is: nothing is lost
                 log.warning("nvme.compaction_failed", path=str(self.directory), group=self.group, error=str(exc))
         finally:
             await self._release()
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def _release(self) -> None:
         try:

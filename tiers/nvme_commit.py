@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import Any
 
 from tiered_kv.errors import TierError, TierIOError
 from tiered_kv.log import get_logger
@@ -80,10 +81,14 @@ class GroupCommit:
         while self._durable < target:
             if self._task.done():
                 self._restart()
-            ended = self._ended
+            ended, task = self._ended, self._task
             self._now.set()
             self._wake.set()
-            error = await asyncio.shield(ended)
+            either: list[asyncio.Future[Any]] = [ended, task]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not ended.done():
+                continue  # the task ended without a word: cancelled before its first step
+            error = ended.result()
             if error is not None and not isinstance(error, _Cancelled):
                 raise TierIOError(f"committing the journal: {error.detail}", tier="nvme") from error
 
@@ -101,9 +106,16 @@ class GroupCommit:
         self._task = self._start()
 
     async def close(self) -> None:
-        """Commit what is queued, then stop; raises what :meth:`sync` raises, stopped anyway."""
+        """Commit what is queued, then stop; raises what :meth:`sync` raises, stopped anyway.
+        A cancellation (a host's cancel-all cancels this close with the committer) is
+        raised once the commit has been tried again."""
+        cancelled = False
         try:
-            await self.sync()
+            try:
+                await self.sync()
+            except asyncio.CancelledError:
+                cancelled = True
+                await self.sync()
         finally:
             self._closed = True
             task = self._task
@@ -111,6 +123,8 @@ class GroupCommit:
             await asyncio.wait([task])  # its own end; a cancellation of this close still raises
             if not task.cancelled() and (error := task.exception()) is not None:
                 log.warning("nvme.committer_failed", committer=self._name, error=repr(error))
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def _run(self) -> None:
         try:
