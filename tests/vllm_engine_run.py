@@ -29,6 +29,9 @@ import argparse
 import json
 import os
 import random
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,30 @@ DEFAULT_STEPS = ("cold", "repeat", "reset", "after_reset")
 #: own teardown (the worker's exit, then its process group) takes on a busy 2-core machine:
 #: past it the engine core is killed before the connector's shutdown writes its statistics.
 SHUTDOWN_TIMEOUT_S = 120.0
+#: A shutdown still running after this long is stuck: every engine process then prints
+#: each thread's kernel wait channel and Python stack (py-spy) into the log, before vLLM
+#: kills it, so that a failed run says where the engine core hung.
+STACKS_AFTER_S = float(os.environ.get("TIERED_KV_E2E_STACKS_AFTER_S", "60"))
+
+
+def dump_stacks_if_stuck(pids: list[int]) -> threading.Timer:
+    """Started before the shutdown, cancelled after it."""
+    spy = Path(sys.executable).with_name("py-spy")
+
+    def dump() -> None:
+        for pid in pids:
+            try:
+                waits = [f"{t.name}:{(t / 'wchan').read_text()}" for t in sorted(Path(f"/proc/{pid}/task").iterdir())]
+            except OSError:
+                continue  # ended meanwhile
+            print(f"shutdown stuck after {STACKS_AFTER_S} s: pid {pid} threads waiting in {waits}", file=sys.stderr)
+            stacks = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+            print(stacks.stdout + stacks.stderr, file=sys.stderr, flush=True)
+
+    timer = threading.Timer(STACKS_AFTER_S, dump)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def engine_env() -> None:
@@ -197,7 +224,9 @@ def main() -> None:
         "processes": tree,
         "phases": phases,
     }
+    watchdog = dump_stacks_if_stuck([p["pid"] for p in tree[1:]])
     llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)  # LLM has no public shutdown in 0.32
+    watchdog.cancel()
     report["shutdown_s"] = time.monotonic() - _T0 - report["import_s"] - report["engine_start_s"]
     args.out.write_text(json.dumps(report, indent=1))
 
