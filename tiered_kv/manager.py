@@ -123,24 +123,22 @@ class _Drivers:
 SHUT_DOWN_STARTS = 3
 
 
-async def _close_drivers(drivers: Iterable[TierDriver]) -> tuple[list[BaseException], bool]:
+async def _close_drivers(drivers: Iterable[TierDriver]) -> list[BaseException]:
     """Close each of ``drivers`` to its end, and the rest after it, even when the awaiting
-    task is cancelled meanwhile; the failures (logged), and whether a cancellation came
-    (the caller raises it). A close the host cancelled itself has released what it held
-    in its own clean-up."""
+    task is cancelled meanwhile (the cancellation is absorbed: the caller is closing, or
+    raising what ended its opening); the failures, logged. A driver's close that the host
+    cancelled itself has released what it held in its own clean-up."""
     failures: list[BaseException] = []
-    cancelled = False
     for driver in drivers:
         for _ in range(SHUT_DOWN_STARTS):  # again when cancelled before it began (one begun returns at once)
             closing = asyncio.ensure_future(driver.close())
-            cancelled |= await wait_out([closing])
+            await wait_out([closing])
             if not closing.cancelled():
                 break
-            cancelled = True
         if not closing.cancelled() and (exc := closing.exception()) is not None:
             log.error("driver.close_failed", tier=driver.name, error=repr(exc))
             failures.append(exc)
-    return failures, cancelled
+    return failures
 
 
 class _StoreJob:
@@ -319,7 +317,7 @@ class TieredKV:
         # A registration still opening pools commits them (and so hands them over to be
         # closed below) or fails and closes what it opened.
         await wait_out(self._opening.values())
-        self._close_failures, _ = await _close_drivers(self._all_drivers())
+        self._close_failures = await _close_drivers(self._all_drivers())
 
     def _check(self) -> None:
         if self._closed:
