@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 
 from tiered_kv.errors import TierError, TierFullError, TierIOError
 from tiered_kv.interfaces import TransferOp
+from tiered_kv.scheduler import wait_out
 
 if TYPE_CHECKING:  # torch is imported where it is used: `tiered-kv inspect` runs without it
     import torch
@@ -49,11 +50,7 @@ async def settle(future: asyncio.Future[T], abort: Callable[[], object] | None =
     except asyncio.CancelledError:
         if abort is not None:
             abort()
-        while not future.done():
-            try:
-                await asyncio.wait([future])
-            except asyncio.CancelledError:
-                continue  # cancelled again: still wait; the cancellation is re-raised below
+        await wait_out([future])  # cancelled again: still waits; the cancellation is re-raised below
         if not future.cancelled():
             future.exception()  # retrieved: the cancellation is what the caller hears about
         raise
