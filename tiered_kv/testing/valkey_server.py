@@ -96,7 +96,9 @@ class ValkeyServer:
         args = [str(binary), "--port", str(self.port), "--bind", HOST, "--dir", str(self.directory)]
         args += ["--save", "", "--appendonly", "no", "--logfile", "valkey.log", "--daemonize", "no"]
         if self.maxmemory is not None:
-            args += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.policy]
+            # 64 keys sampled per eviction, not 5: with 5, allkeys-lru now and then evicts a
+            # key written moments ago, and the tests that fill the server expect recency.
+            args += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.policy, "--maxmemory-samples", "64"]
         if self.password is not None:
             args += ["--requirepass", self.password]
         if self.cluster:
