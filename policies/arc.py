@@ -86,15 +86,18 @@ class ARC:
             raise duplicate(key)
         if parent is not None:
             self._links.link(key, parent)
-        if b1.discard(key):
+        if key in b1:
+            b1.hit(key)
             self._target = min(float(self.capacity), self._target + max(1.0, len(b2) / (len(b1) + 1)))
             t2[key] = parent
-        elif b2.discard(key):
+        elif key in b2:
+            b2.hit(key)
             self._target = max(0.0, self._target - max(1.0, len(b1) / (len(b2) + 1)))
             t2[key] = parent
         else:
             t1[key] = parent
-            self._trim_ghosts()
+            if b1 or b2:
+                self._trim_ghosts()
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         if self._b1 or self._b2:  # a key may be a ghost, which insert moves to T2
@@ -107,8 +110,6 @@ class ARC:
     def _trim_ghosts(self) -> None:
         """After a new key: keep |T1| + |B1| <= c, else the whole directory <= 2c (case IV)."""
         b1, b2 = self._b1, self._b2
-        if not (b1 or b2):
-            return
         c = self.capacity
         over = self._t1_size() + len(b1) - c
         if over > 0:

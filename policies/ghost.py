@@ -22,64 +22,59 @@ from tiered_kv.keys import ChunkKey
 _SLACK = 64
 
 
-class GhostQueue:
-    """At most ``limit`` keys, oldest first; adding beyond the limit forgets the oldest."""
+class GhostQueue(set[ChunkKey]):
+    """At most ``limit`` keys, oldest first; adding beyond the limit forgets the oldest.
 
-    __slots__ = ("_keys", "_order", "limit")
+    The queue *is* its set of live keys, so that ``key in ghosts``, ``len(ghosts)`` and
+    ``bool(ghosts)`` — a policy asks one of them on every insert — cost no Python call.
+    A key taken out with a plain ``set`` method (``discard``, ``remove``) leaves a dead
+    entry, as :meth:`hit` does; keys must come in through :meth:`add` only.
+    """
+
+    __slots__ = ("_order", "limit")
 
     def __init__(self, limit: int) -> None:
+        super().__init__()
         self.limit = limit
-        self._keys: set[ChunkKey] = set()
         self._order: deque[ChunkKey] = deque()
 
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __bool__(self) -> bool:
-        return bool(self._keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
     def __repr__(self) -> str:
-        return f"<GhostQueue {len(self._keys)}/{self.limit}>"
+        return f"<GhostQueue {len(self)}/{self.limit}>"
 
     def add(self, key: ChunkKey) -> None:
         """Remember ``key`` as the newest ghost, forgetting the oldest beyond the limit.
 
         A key that is already a ghost keeps its place.
         """
-        keys = self._keys
-        if key in keys:
+        if key in self:
             return
-        keys.add(key)
+        set.add(self, key)
         self._order.append(key)
-        while len(keys) > self.limit:
+        while len(self) > self.limit:
             self.pop_oldest()
 
-    def discard(self, key: ChunkKey) -> bool:
+    def hit(self, key: ChunkKey) -> bool:
         """Forget ``key``; true if it was a ghost (a ghost hit)."""
-        keys = self._keys
-        if key not in keys:
+        if key not in self:
             return False
-        keys.remove(key)
-        if len(self._order) > 2 * len(keys) + _SLACK:
+        set.remove(self, key)
+        if len(self._order) > 2 * len(self) + _SLACK:
             self._compact()
         return True
 
     def pop_oldest(self) -> None:
         """Forget the oldest ghost, if there is one."""
-        keys, order = self._keys, self._order
+        order = self._order
         while order:
             key = order.popleft()
-            if key in keys:
-                keys.remove(key)
+            if key in self:
+                set.remove(self, key)
                 return
 
     def _compact(self) -> None:
         """Drop dead entries, keeping each live key's newest entry."""
         newest: dict[ChunkKey, None] = {}
         for key in reversed(self._order):
-            if key in self._keys and key not in newest:
+            if key in self and key not in newest:
                 newest[key] = None
         self._order = deque(reversed(newest))

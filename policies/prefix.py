@@ -132,7 +132,7 @@ class PrefixLinks:
 class Victims:
     """The victims one eviction call has chosen so far, and the keys they set free."""
 
-    __slots__ = ("_parent_of", "_taken", "keys", "links", "protected")
+    __slots__ = ("_parent_of", "_successors", "_taken", "keys", "links", "protected")
 
     def __init__(
         self,
@@ -142,6 +142,7 @@ class Victims:
     ) -> None:
         self.links = links
         self._parent_of = parent_of
+        self._successors = links._successors  # read only: the counts of resident successors
         self.protected = protected
         self.keys: list[ChunkKey] = []
         self._taken: dict[ChunkKey, int] = {}  # successors of a key among the victims
@@ -151,7 +152,8 @@ class Victims:
 
     def is_free(self, key: ChunkKey) -> bool:
         """Whether every resident successor of ``key`` is already a victim."""
-        return self.links.successors(key) == self._taken.get(key, 0)
+        successors = self._successors
+        return key not in successors or successors[key] == self._taken.get(key, 0)
 
     def take(self, key: ChunkKey) -> ChunkKey | None:
         """Add victim ``key``; its predecessor if that has just lost its last successor."""
@@ -161,7 +163,7 @@ class Victims:
             return None
         taken = self._taken.get(parent, 0) + 1
         self._taken[parent] = taken
-        return parent if taken == self.links.successors(parent) else None
+        return parent if taken == self._successors[parent] else None
 
 
 class LeafWalk:
@@ -189,14 +191,18 @@ class LeafWalk:
         """The next key that may go, or ``None`` when the list has none left."""
         if self._ready:
             return heapq.heappop(self._ready)[1]
-        protected, is_free, passed = self._victims.protected, self._victims.is_free, self._passed
+        victims, passed = self._victims, self._passed
+        protected, successors, taken = victims.protected, victims._successors, victims._taken
+        seen = self._seen
         for key in self._keys:
-            self._seen += 1
+            seen += 1
             if protected(key):
                 continue
-            if is_free(key):
+            if key not in successors or successors[key] == taken.get(key, 0):  # Victims.is_free
+                self._seen = seen
                 return key
-            passed[key] = self._seen
+            passed[key] = seen
+        self._seen = seen
         return None
 
     def freed(self, key: ChunkKey) -> bool:

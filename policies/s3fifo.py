@@ -106,7 +106,7 @@ class S3FIFO:
         if parent is not None:
             self._links.link(key, parent)
             self._parents[key] = parent
-        if self._ghost.discard(key):
+        if self._ghost.hit(key):
             state[key] = _MAIN
             self._main.append(key)
         else:

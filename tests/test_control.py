@@ -7,6 +7,8 @@ import random
 import msgspec
 import pytest
 from conftest import make_namespace
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tiered_kv import NamespacePolicyConfig, WritePolicy, chunk_keys
 from tiered_kv.control import ChunkState, ControlPlane, Pool, PromotionOutcome
@@ -175,3 +177,33 @@ def test_random_plans_and_outcomes_keep_the_indexes_consistent(seed: int) -> Non
         control.unpin(pool, key)
     control.verify_invariants()
     assert pool.cpu.pinned == 0 and (pool.nvme is None or pool.nvme.pinned == 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    picks=st.lists(st.integers(0, 9), max_size=10),
+    resident=st.sets(st.integers(0, 9), max_size=4),
+    extra_blocks=st.integers(-2 * K, K),
+    dropped=st.sets(st.integers(0, 12 * K), max_size=3),
+)
+def test_a_store_plans_every_chunk_the_rule_admits_and_counts_every_other_as_skipped(
+    picks: list[int], resident: set[int], extra_blocks: int, dropped: set[int]
+) -> None:
+    """The rule, chunk by chunk: a chunk is stored when the table names all of its
+    blocks, none of them dropped (negative), and its key is neither resident nor seen
+    earlier in the call; every other chunk is skipped."""
+    control, _ = plane(cpu=64, nvme=8)
+    universe = keys(10)
+    stored(control, _, [universe[i] for i in sorted(resident)])
+    prompt = [universe[i] for i in picks]
+    table = [-1 if b in dropped else b for b in range(max(0, len(prompt) * K + extra_blocks))]
+    expected, seen = [], set()
+    for c, key in enumerate(prompt):
+        blocks = tuple(table[c * K : (c + 1) * K])
+        if len(blocks) == K and min(blocks) >= 0 and key not in seen and universe.index(key) not in resident:
+            seen.add(key)
+            expected.append((key, blocks))
+    plan = control.plan_store(NS, [prompt], [table])
+    assert [chunk for group in plan.groups for chunk in group.chunks] == expected
+    assert plan.skipped == len(prompt) - len(expected)
+    control.verify_invariants()

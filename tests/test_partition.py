@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable, Iterator
 from typing import ClassVar, cast
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -268,3 +269,47 @@ def test_a_warm_restarts_batches_keep_their_order_in_every_policy(policy: str) -
     assert tier.make_room("a", 5, lambda key: False) == {"a": first[:2]}  # the oldest first
     with pytest.raises(PolicyError, match="full"):
         tier.insert_many("a", fresh(6))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    policy=st.sampled_from(["lru", "arc", "s3fifo"]),
+    steps=st.lists(
+        st.tuples(st.sampled_from(["store", "touch", "remove"]), st.integers(1, 9), st.floats(0, 1)), max_size=40
+    ),
+)
+def test_a_namespace_alone_in_its_tier_loses_the_victims_it_would_lose_beside_an_idle_one(
+    policy: str, steps: list[tuple[str, int, float]]
+) -> None:
+    """A tier of one namespace skips the plan that shares the victims out; the same
+    traffic beside an idle namespace goes through it, and must evict the same keys."""
+    alone, beside = TierPartition("cpu", 16, rng=random.Random(7)), TierPartition("cpu", 16, rng=random.Random(7))
+    alone.add_namespace("a", policy)
+    beside.add_namespace("a", policy)
+    beside.add_namespace("idle", "lru")
+    held: list[bytes] = []
+    for op, n, fraction in steps:
+        if op == "store":
+            pinned = frozenset(held[: int(len(held) * fraction)])
+            keys = fresh(n)
+            parents = dict(zip(keys[1:], keys, strict=False))
+            victims = alone.make_room("a", n, pinned.__contains__)
+            assert victims == beside.make_room("a", n, pinned.__contains__)
+            if victims is None:
+                continue
+            gone = set(victims.get("a", []))
+            held = [key for key in held if key not in gone]
+            for key in keys:
+                alone.insert("a", key, parents.get(key))
+                beside.insert("a", key, parents.get(key))
+            held += keys
+        elif held:
+            key = held[int(fraction * (len(held) - 1))]
+            if op == "touch":
+                alone.touch("a", key)
+                beside.touch("a", key)
+            else:
+                alone.remove("a", key)
+                beside.remove("a", key)
+                held.remove(key)
+        assert alone.used == beside.used == len(held)

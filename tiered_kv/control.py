@@ -542,11 +542,17 @@ class ControlPlane:
         skipped = 0
         for pool, group_keys, table in zip(pools, keys, block_ids, strict=True):
             k = pool.blocks_per_chunk
+            resident = pool.resident_anywhere
+            whole = min(len(group_keys), len(table) // k)  # chunks the table names every block of
+            skipped += len(group_keys) - whole
+            held = table[: whole * k]
+            all_held = not held or min(held) >= 0  # else: look for the dropped blocks chunk by chunk
             candidates = []
             seen = set()
-            for c, key in enumerate(group_keys):
+            for c in range(whole):
+                key = group_keys[c]
                 blocks = tuple(table[c * k : (c + 1) * k])
-                if len(blocks) < k or min(blocks) < 0 or key in seen or pool.resident_anywhere(key):
+                if (not all_held and min(blocks) < 0) or key in seen or resident(key):
                     skipped += 1
                     continue
                 seen.add(key)
@@ -648,9 +654,7 @@ class ControlPlane:
             return []
         keys = [key for key, _ in group.chunks]
         pool.cpu.mark_ready_many(keys)
-        emit = self.telemetry.emit
-        for key in keys:
-            emit(KVEventKind.STORED, "cpu", group.namespace, pool.group, key)
+        self.telemetry.emit_many(KVEventKind.STORED, "cpu", group.namespace, pool.group, keys)
         self.telemetry.bytes_moved["gpu->cpu"] += pool.chunk_bytes * len(group.chunks)
         if pool.policy.write_policy is WritePolicy.WRITE_THROUGH and (pool.nvme is not None or pool.hint is not None):
             return [key for key, _ in group.chunks]
@@ -709,9 +713,7 @@ class ControlPlane:
         if not ok:
             return [pool.nvme.drop(key) for key, _, _ in write.chunks]
         keys = [key for key, _, _ in write.chunks]
-        emit = self.telemetry.emit
-        for key, namespace in zip(keys, pool.nvme.mark_ready_many(keys), strict=True):
-            emit(KVEventKind.STORED, "nvme", namespace, pool.group, key)
+        self.telemetry.emit_each(KVEventKind.STORED, "nvme", pool.nvme.mark_ready_many(keys), pool.group, keys)
         self.telemetry.bytes_moved["cpu->nvme"] += pool.chunk_bytes * len(write.chunks)
         return []
 
@@ -786,8 +788,9 @@ class ControlPlane:
             self.telemetry.emit(KVEventKind.STORED, "cpu", namespace, pool.group, key)
             return
         pool.cpu.drop(key)
-        for gone in pool.hint.note_absent([key], namespace):
-            self.telemetry.emit(KVEventKind.REMOVED, "remote", namespace, pool.group, gone)
+        self.telemetry.emit_many(
+            KVEventKind.REMOVED, "remote", namespace, pool.group, pool.hint.note_absent([key], namespace)
+        )
 
     # -- cpu → remote ------------------------------------------------------------------
     def plan_remote_copy(self, pool: Pool, keys: Iterable[ChunkKey], namespace: str) -> RemoteWrite | None:
@@ -826,8 +829,7 @@ class ControlPlane:
         pool.hint.note_present(done, namespace)
         if len(done) < len(write.chunks):
             pool.hint.note_absent([key for (key, _), ok in zip(write.chunks, landed, strict=True) if not ok], namespace)
-        for key in done:
-            self.telemetry.emit(KVEventKind.STORED, "remote", namespace, pool.group, key)
+        self.telemetry.emit_many(KVEventKind.STORED, "remote", namespace, pool.group, done)
         self.telemetry.bytes_moved["cpu->remote"] += pool.chunk_bytes * len(done)
 
     # -- observation -------------------------------------------------------------------
@@ -874,7 +876,13 @@ class ControlPlane:
                 index.check()
 
     def _evicted(self, pool: Pool, tier: str, evicted: list[Victim]) -> None:
-        for victim in evicted:
-            self.telemetry.emit(KVEventKind.REMOVED, tier, victim.namespace, pool.group, victim.key)
-        if evicted:
-            log.debug("chunk.evicted", namespace=pool.fingerprint, tier=tier, n_chunks=len(evicted))
+        if not evicted:
+            return
+        self.telemetry.emit_each(
+            KVEventKind.REMOVED,
+            tier,
+            [victim.namespace for victim in evicted],
+            pool.group,
+            [victim.key for victim in evicted],
+        )
+        log.debug("chunk.evicted", namespace=pool.fingerprint, tier=tier, n_chunks=len(evicted))

@@ -13,7 +13,7 @@ and, optionally, a quota of chunks another namespace's traffic cannot take.
 from __future__ import annotations
 
 import array
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -202,7 +202,7 @@ class TierIndex:
         never evicted to make room for its successor, which would leave the successor
         unreachable, and is recorded as the successor's: only one resident *before* its
         successor, so that the links only ever point back in time and cannot form a cycle,
-        whatever order a caller stores keys in (see :meth:`_occupy`)."""
+        whatever order a caller stores keys in (see :meth:`_occupy_many`)."""
         namespace = owner if namespace is None else namespace
         wanted = list(dict.fromkeys(keys))
         parent_of = (parents or {}).get
@@ -220,19 +220,19 @@ class TierIndex:
         if victims is None:
             return None
         evicted = []
+        pop, names, parent_at = self._slots.pop, self._namespace, self._parent
         for victim_owner, victim_keys in victims.items():
             for victim in victim_keys:
-                slot = self._slots.pop(victim)
-                victim_namespace = self._namespace[slot]
+                slot = pop(victim)
+                victim_namespace = names[slot]
                 assert victim_namespace is not None
-                evicted.append(Victim(victim, slot, victim_owner, victim_namespace, self._parent[slot]))
-                self._free(slot)
+                evicted.append(Victim(victim, slot, victim_owner, victim_namespace, parent_at[slot]))
+        self._free_many([victim.slot for victim in evicted])
         slots = self._allocator.allocate(len(wanted))
         if slots is None:  # pragma: no cover - make_room made exactly enough room
             raise TieredKVError(f"{self.tier}: allocator lost track of free slots")
         reserved = dict(zip(wanted, slots, strict=True))
-        for key, slot in reserved.items():
-            self._occupy(key, slot, owner, namespace, PENDING, parent_of(key))
+        self._occupy_many(reserved, owner, namespace, PENDING, parent_of)
         return Reservation(reserved, evicted)
 
     def unreserve(self, reservation: Reservation) -> None:
@@ -242,7 +242,7 @@ class TierIndex:
         for key in reservation.slots:
             self.drop(key)
         # Victims went leaves first: put them back ancestors first, so that each one's
-        # predecessor is resident again when it returns (see _occupy).
+        # predecessor is resident again when it returns (see _occupy_many).
         for victim in reversed(reservation.evicted):
             self.restore(victim.key, victim.slot, victim.owner, victim.namespace, victim.parent)
 
@@ -287,7 +287,7 @@ class TierIndex:
         owner = self._owner_of(slot)
         del self._slots[key]
         self._partition.remove(owner, key)
-        self._free(slot)
+        self._free_many([slot])
         return slot
 
     def restore(
@@ -298,7 +298,7 @@ class TierIndex:
         if key in self._slots:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         self._allocator.claim(slot)
-        self._occupy(key, slot, owner, owner if namespace is None else namespace, READY, parent)
+        self._occupy_many({key: slot}, owner, owner if namespace is None else namespace, READY, {key: parent}.get)
 
     def begin_restore(self, chunks: KeyInts | None = None) -> None:
         """Start a warm restart into this index, which must hold nothing yet; then
@@ -422,14 +422,16 @@ class TierIndex:
     def hit_many(self, keys: Sequence[ChunkKey]) -> list[int]:
         """:meth:`hit` on each of ``keys`` (READY, in order); their new hit counts."""
         slots, hits, other = self._slots, self._hits, self._other_owner
-        names = self._namespace
-        touch = self._partition.touch
+        names, policy_of = self._namespace, self._partition.policy
+        touched_by: str | None = None  # the owner whose policy ``touch`` is (they are usually all one)
         counts = []
         for key in keys:
             slot = slots[key]
             owner = other.get(slot) or names[slot]
             assert owner is not None
-            touch(owner, key)
+            if owner != touched_by:
+                touch, touched_by = policy_of(owner).touch, owner
+            touch(key)
             if hits is not None:
                 count = min(hits[slot] + 1, _MAX_COUNT)
                 hits[slot] = count
@@ -445,30 +447,48 @@ class TierIndex:
         if pins == 1:
             self._pinned -= 1
 
-    def _occupy(
-        self, key: ChunkKey, slot: int, owner: str, namespace: str, state: int, parent: ChunkKey | None
+    def _occupy_many(
+        self,
+        reserved: dict[ChunkKey, int],
+        owner: str,
+        namespace: str,
+        state_of_all: int,
+        parent_of: Callable[[ChunkKey], ChunkKey | None],
     ) -> None:
-        if parent is not None and parent not in self._slots:
-            # Not resident before this chunk: it cannot be the chunk's recorded predecessor
-            # (a link to it could later close a cycle, and a cycle is never evictable).
-            parent = None
-        self._partition.insert(owner, key, parent)  # first: a bad parent changes nothing
-        self._slots[key] = slot
-        self._state[slot] = state
-        self._namespace[slot] = namespace
-        self._parent[slot] = parent
-        if owner != namespace:
-            self._other_owner[slot] = owner
+        """Record each key of ``reserved`` in its slot, in ``state_of_all``, counted in
+        ``owner``'s share, continuing the predecessor ``parent_of`` names if that was
+        resident before it (a link to a chunk that was not could later close a cycle,
+        and a cycle is never evictable)."""
+        resident, state, names, parent_at = self._slots, self._state, self._namespace, self._parent
+        insert, other_owner, other = self._partition.insert, self._other_owner, owner != namespace
+        for key, slot in reserved.items():
+            parent = parent_of(key)
+            if parent is not None and parent not in resident:
+                parent = None
+            insert(owner, key, parent)  # first: a bad parent changes nothing
+            resident[key] = slot
+            state[slot] = state_of_all
+            names[slot] = namespace
+            parent_at[slot] = parent
+            if other:
+                other_owner[slot] = owner
 
-    def _free(self, slot: int) -> None:
-        self._state[slot] = FREE
-        if self._hits is not None:
-            self._hits[slot] = 0
-        if self._lease is not None:
-            self._lease[slot] = -1
-        self._namespace[slot] = self._parent[slot] = None
-        self._other_owner.pop(slot, None)
-        self._allocator.release(slot)
+    def _free_many(self, slots: list[int]) -> None:
+        """Clear what the index keeps of each of ``slots`` and give them back to the allocator."""
+        if not slots:
+            return
+        state, names, parent_at, release = self._state, self._namespace, self._parent, self._allocator.release
+        hits, lease, other_owner = self._hits, self._lease, self._other_owner
+        for slot in slots:
+            state[slot] = FREE
+            if hits is not None:
+                hits[slot] = 0
+            if lease is not None:
+                lease[slot] = -1
+            names[slot] = parent_at[slot] = None
+            if other_owner:
+                other_owner.pop(slot, None)
+            release(slot)
 
     def _require(self, key: ChunkKey) -> int:
         slot = self._slots.get(key)

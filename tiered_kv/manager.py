@@ -150,10 +150,14 @@ class _StoreJob:
         self.namespace = namespace
         self.rank = namespace.tp_rank
         self.request_id = request_id
-        self.blocks = frozenset(block for _, blocks in group.chunks for block in blocks)
         self.started = False
         #: Resolved once no copy of this job reads GPU blocks any more (done, failed or cancelled).
         self.gpu_released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @functools.cached_property
+    def blocks(self) -> frozenset[int]:
+        """The GPU blocks the job reads (for :meth:`TieredKV.flush`; built on first use)."""
+        return frozenset(block for _, blocks in self.group.chunks for block in blocks)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -649,7 +653,7 @@ class TieredKV:
         Full-attention groups keep their good prefix; a sliding-window group's chunks are
         all or nothing, since a partial window is useless to the engine.
         """
-        pinned: list[tuple[Pool, ChunkKey]] = []
+        pinned: list[tuple[Pool, list[ChunkKey]]] = []  # runs of keys pinned in a pool's cpu tier
         pending: list[list[tuple[ChunkKey, asyncio.Task[str | None] | None]]] = []
         try:
             pending += [self._start_stage(plan, pinned) for plan in plans]  # every promotion starts now
@@ -693,11 +697,11 @@ class TieredKV:
                 for key, task in steps:
                     if task is not None:
                         self._drop_claim(plan, key, task)
-            for pool, keys in itertools.groupby(pinned, key=lambda pinned_key: pinned_key[0]):
-                pool.cpu.unpin_many(key for _, key in keys)
+            for pool, keys in pinned:
+                pool.cpu.unpin_many(keys)
 
     def _start_stage(
-        self, plan: _LoadPlan, pinned: list[tuple[Pool, ChunkKey]]
+        self, plan: _LoadPlan, pinned: list[tuple[Pool, list[ChunkKey]]]
     ) -> list[tuple[ChunkKey, asyncio.Task[str | None] | None]]:
         """The plan's leading chunks that some tier holds (the remote tier: likely): those
         in cpu are pinned at once, and a shared promotion into cpu starts for each of the
@@ -706,13 +710,13 @@ class TieredKV:
         namespace = plan.namespace
         hint = pool.hint
         in_cpu = pool.cpu.pin_ready_run(plan.keys, namespace)  # the usual case: all of them
-        pinned += [(pool, key) for key in plan.keys[:in_cpu]]
+        pinned.append((pool, plan.keys[:in_cpu]))
         steps: list[tuple[ChunkKey, asyncio.Task[str | None] | None]] = [(key, None) for key in plan.keys[:in_cpu]]
         for i in range(in_cpu, len(plan.keys)):
             key = plan.keys[i]
             if pool.cpu.ready_for(key, namespace):
                 self._control.pin(pool, key)
-                pinned.append((pool, key))
+                pinned.append((pool, [key]))
                 steps.append((key, None))
             elif (pool.nvme is not None and pool.nvme.ready_for(key, namespace)) or (
                 hint is not None and hint.likely(key, namespace)
@@ -737,7 +741,7 @@ class TieredKV:
         self,
         plan: _LoadPlan,
         steps: list[tuple[ChunkKey, asyncio.Task[str | None] | None]],
-        pinned: list[tuple[Pool, ChunkKey]],
+        pinned: list[tuple[Pool, list[ChunkKey]]],
         sources: collections.Counter[str],
     ) -> list[int]:
         """Wait for the promotions, which pin what they bring in for this load; the cpu
@@ -764,7 +768,7 @@ class TieredKV:
                     raise
                 if promoted is None:
                     break
-                pinned.append((pool, key))
+                pinned.append((pool, [key]))
                 tier = promoted
             slots.append(pool.cpu.slot(key))
             self._telemetry.loaded[tier] += 1
@@ -948,7 +952,8 @@ class TieredKV:
                 log.info("store.skipped", request_id=request_id, reason="cannot store now")
                 self._store_budget.give(taken)
                 return StoreResult(submitted=0, skipped=plan.skipped, rejected=True)
-            self._store_budget.give(taken - plan.submitted)
+            submitted = plan.submitted
+            self._store_budget.give(taken - submitted)
             if plan.groups and plan.groups[0].pool.hint is not None:
                 self._know_tenant(namespace)
             for group in plan.groups:
@@ -956,11 +961,11 @@ class TieredKV:
                 self._jobs[request_id].add(job)
                 task = self._scheduler.spawn(self._run_store(job), name=f"store-{request_id}")
                 task.add_done_callback(functools.partial(self._store_finished, job))
-            if plan.submitted:
-                log.debug("store.submitted", request_id=request_id, n_chunks=plan.submitted)
+            if submitted:
+                log.debug("store.submitted", request_id=request_id, n_chunks=submitted)
             if plan.skipped:
                 log.debug("store.skipped", request_id=request_id, n_chunks=plan.skipped)
-            return StoreResult(submitted=plan.submitted, skipped=plan.skipped)
+            return StoreResult(submitted=submitted, skipped=plan.skipped)
 
     async def _run_store(self, job: _StoreJob) -> None:
         job.started = True

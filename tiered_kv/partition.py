@@ -191,6 +191,12 @@ class TierPartition:
         deficit = n - self.free
         if deficit <= 0:
             return {}
+        if len(self._shares) == 1:  # the requester alone: no plan to make, nothing to restore
+            victims = requester.policy.evict(deficit, protected)
+            if victims is None:
+                return None
+            self._used -= deficit
+            return {namespace: victims}
         # The most each namespace may lose: its chunks above its quota (all of its own, for the requester).
         limit = {
             name: len(share.policy) if share is requester else max(0, len(share.policy) - share.quota)

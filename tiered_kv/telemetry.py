@@ -2,15 +2,17 @@
 
 Counting is plain integer arithmetic on the hot paths; :meth:`Telemetry.statistics`
 assembles the frozen :class:`~tiered_kv.stats.Statistics` record only when asked.
-KV events (a chunk became ready in, or left, a tier) go to a bounded deque that routers
-drain; what overflows is counted, never kept.
+KV events (a chunk became ready in, or left, a tier) go to a bounded queue that routers
+drain; what overflows is counted, never kept. The queue holds them as they come, a batch
+of keys per call, and builds the :class:`~tiered_kv.stats.KVEvent` records only when
+they are drained: a store of 16 chunks costs one append, not 16 records.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import TieredKVError
@@ -43,7 +45,12 @@ class Telemetry:
         self.stores_rejected = 0
         self._latency = [0] * (len(LOAD_LATENCY_BOUNDS_MS) + 1)
         self._latency_ms = 0.0
-        self._events: collections.deque[KVEvent] = collections.deque(maxlen=max_events)
+        self._max_events = max_events
+        #: ``(kind, tier, namespace, group, keys)`` per emit, oldest first; the first
+        #: batch's leading ``_taken`` keys were drained or dropped already.
+        self._batches: collections.deque[tuple[KVEventKind, str, str, int, Sequence[ChunkKey]]] = collections.deque()
+        self._taken = 0
+        self._held = 0  # events in _batches
         self.events_dropped = 0
 
     def load_timed(self, ms: float) -> None:
@@ -51,16 +58,68 @@ class Telemetry:
         self._latency_ms += ms
 
     def emit(self, kind: KVEventKind, tier: str, namespace: str, group: int, key: ChunkKey) -> None:
-        if len(self._events) == self._events.maxlen:
-            self.events_dropped += 1
-        self._events.append(KVEvent(kind=kind, tier=tier, namespace=namespace, group=group, key=key))
+        self.emit_many(kind, tier, namespace, group, (key,))
+
+    def emit_many(self, kind: KVEventKind, tier: str, namespace: str, group: int, keys: Sequence[ChunkKey]) -> None:
+        """One event of ``kind`` per key of ``keys``, which the caller no longer changes."""
+        if not keys:
+            return
+        self._batches.append((kind, tier, namespace, group, keys))
+        self._held += len(keys)
+        if self._held > self._max_events:
+            self._drop(self._held - self._max_events)
+
+    def emit_each(
+        self, kind: KVEventKind, tier: str, namespaces: Sequence[str], group: int, keys: Sequence[ChunkKey]
+    ) -> None:
+        """One event of ``kind`` per key of ``keys``, each in the namespace at its position
+        in ``namespaces``: a batch per run of one namespace."""
+        if not keys:
+            return
+        if namespaces.count(namespaces[0]) == len(namespaces):  # the common case: one namespace
+            self.emit_many(kind, tier, namespaces[0], group, keys)
+            return
+        start = 0
+        for i in range(1, len(keys) + 1):
+            if i == len(keys) or namespaces[i] != namespaces[start]:
+                self.emit_many(kind, tier, namespaces[start], group, keys[start:i])
+                start = i
+
+    def _drop(self, n: int) -> None:
+        """Forget the ``n`` oldest events."""
+        self.events_dropped += n
+        self._held -= n
+        batches = self._batches
+        while n:
+            left = len(batches[0][4]) - self._taken
+            if left > n:
+                self._taken += n
+                return
+            batches.popleft()
+            self._taken = 0
+            n -= left
 
     def drain_events(self, max_events: int | None = None) -> list[KVEvent]:
         """Take up to ``max_events`` KV events (all when ``None``), oldest first."""
         if max_events is not None and not is_int_at_least(max_events, 0):
             raise TieredKVError(f"max_events must be a non-negative integer or None, got {max_events!r}")
-        count = len(self._events) if max_events is None else min(max_events, len(self._events))
-        return [self._events.popleft() for _ in range(count)]
+        wanted = self._held if max_events is None else min(max_events, self._held)
+        events: list[KVEvent] = []
+        batches = self._batches
+        while len(events) < wanted:
+            kind, tier, namespace, group, keys = batches[0]
+            start = self._taken
+            stop = min(len(keys), start + wanted - len(events))
+            events += [
+                KVEvent(kind=kind, tier=tier, namespace=namespace, group=group, key=key) for key in keys[start:stop]
+            ]
+            if stop == len(keys):
+                batches.popleft()
+                self._taken = 0
+            else:
+                self._taken = stop
+        self._held -= wanted
+        return events
 
     def statistics(
         self,
