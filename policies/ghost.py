@@ -15,6 +15,7 @@ so this costs a little hit rate at most, never correctness.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from tiered_kv.keys import ChunkKey
 
@@ -41,6 +42,11 @@ class GhostQueue(set[ChunkKey]):
     def __repr__(self) -> str:
         return f"<GhostQueue {len(self)}/{self.limit}>"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Copies and pickles rebuild the queue from its limit and live keys, oldest first
+        (``set``'s own would pass the keys as the limit)."""
+        return _rebuilt, (self.limit, [key for key in dict.fromkeys(self._order) if key in self])
+
     def add(self, key: ChunkKey) -> None:
         """Remember ``key`` as the newest ghost, forgetting the oldest beyond the limit.
 
@@ -50,7 +56,7 @@ class GhostQueue(set[ChunkKey]):
             return
         set.add(self, key)
         self._order.append(key)
-        while len(self) > self.limit:
+        while len(self) > self.limit and self._order:  # keys put in by set's own methods have no entry
             self.pop_oldest()
 
     def hit(self, key: ChunkKey) -> bool:
@@ -78,3 +84,10 @@ class GhostQueue(set[ChunkKey]):
             if key in self and key not in newest:
                 newest[key] = None
         self._order = deque(reversed(newest))
+
+
+def _rebuilt(limit: int, keys: list[ChunkKey]) -> GhostQueue:
+    ghosts = GhostQueue(limit)
+    for key in keys:
+        ghosts.add(key)
+    return ghosts

@@ -16,6 +16,7 @@ from conftest import make_namespace
 from test_manager_data import engine_cache
 
 from tiered_kv import BlockTableError, ConfigError, CpuTierConfig, TieredKV, TieredKVConfig, TieredKVError, chunk_keys
+from tiered_kv.arguments import blocks_in_range, require_block_ids
 
 NS = make_namespace()
 
@@ -89,3 +90,36 @@ async def test_a_store_plans_from_the_arguments_it_checked_though_the_caller_cha
         await kv.drain()
         assert kv.lookup(NS, [chunk_keys(NS, list(range(100, 116)))]) == 1
         kv.check_invariants()
+
+
+class _PassesForInt(type):
+    """A metaclass whose classes compare and hash equal to ``int``."""
+
+    def __eq__(cls, other: object) -> bool:
+        return other is int or type.__eq__(cls, other)
+
+    def __hash__(cls) -> int:
+        return hash(int)
+
+
+class _LiesInComparisons(int, metaclass=_PassesForInt):
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __gt__(self, other: object) -> bool:
+        return False
+
+    def __le__(self, other: object) -> bool:
+        return False
+
+    def __ge__(self, other: object) -> bool:
+        return False
+
+
+def test_a_block_id_whose_type_claims_to_be_int_is_taken_as_the_int_it_is() -> None:
+    """The check that lets a plain list through untouched asks for ``int`` itself: a
+    type that only compares equal to it is converted, and its -1 then refused."""
+    ids = require_block_ids([0, 1, _LiesInComparisons(-1), 3])
+    assert [type(block) for block in ids] == [int] * 4
+    with pytest.raises(BlockTableError):
+        blocks_in_range(ids, 64)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+from collections.abc import Callable
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -97,3 +102,23 @@ def test_the_queue_behaves_as_its_documented_model(limit: int, steps: list[tuple
             pop_model()
         assert set(ghosts) == live and len(ghosts) == len(live) <= limit
         assert bool(ghosts) == bool(live)
+
+
+@pytest.mark.parametrize("clone", [copy.copy, copy.deepcopy, lambda ghosts: pickle.loads(pickle.dumps(ghosts))])
+def test_a_copy_has_the_same_limit_and_ghosts_in_the_same_order(clone: Callable[[GhostQueue], GhostQueue]) -> None:
+    ghosts = GhostQueue(3)
+    for i in range(4):
+        ghosts.add(chunk_key(i))
+    ghosts.hit(chunk_key(2))
+    copied = clone(ghosts)
+    assert type(copied) is GhostQueue and copied.limit == 3 and set(copied) == {chunk_key(1), chunk_key(3)}
+    copied.add(chunk_key(4))
+    copied.add(chunk_key(5))
+    assert set(copied) == {chunk_key(3), chunk_key(4), chunk_key(5)}, "the oldest went first"
+
+
+def test_keys_put_in_with_sets_own_update_cannot_make_add_loop_for_ever() -> None:
+    ghosts = GhostQueue(1)
+    ghosts.update({chunk_key(1), chunk_key(2)})
+    ghosts.add(chunk_key(3))  # returns: the keys without an entry cannot be popped, and are not waited for
+    assert set(ghosts) == {chunk_key(1), chunk_key(2)}

@@ -54,12 +54,9 @@ def require_keys(keys: Sequence[Any]) -> None:
             raise ChunkKeyError(f"a chunk key must be {KEY_BYTES} bytes, got {_describe(key)}")
 
 
-_INT_ONLY = frozenset({int})
-
-
 def require_block_ids(table: Iterable[Any]) -> list[int]:
     """The block ids as ``int``s (numpy and torch integers too; never ``bool``)."""
-    if type(table) is list and _INT_ONLY.issuperset(map(type, table)):
+    if type(table) is list and all(type(block) is int for block in table):
         return table
     table = list(table)  # an iterator is walked twice below
     try:
