@@ -86,11 +86,11 @@ class ARC:
             raise duplicate(key)
         if parent is not None:
             self._links.link(key, parent)
-        if key in b1:
+        if b1.has(key):
             b1.hit(key)
             self._target = min(float(self.capacity), self._target + max(1.0, len(b2) / (len(b1) + 1)))
             t2[key] = parent
-        elif key in b2:
+        elif b2.has(key):
             b2.hit(key)
             self._target = max(0.0, self._target - max(1.0, len(b1) / (len(b2) + 1)))
             t2[key] = parent
