@@ -120,6 +120,8 @@ class LRU:
             if freed is not None:
                 walk.freed(freed)
         self._park(walk.passed())
-        for key in victims.keys:
-            links.unlink(key, self._take_out(key))
+        pop, unlink = order.pop, links.unlink
+        for key in victims.keys:  # unlink(key, _take_out(key)), one call each
+            parent = pop(key, _ABSENT)
+            unlink(key, links.take_parked(key) if parent is _ABSENT else parent)
         return victims.keys

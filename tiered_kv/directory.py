@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import array
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
-from typing import NamedTuple
 
+import msgspec
 import numpy as np
 
 from tiered_kv._keytable import KeyInts
@@ -44,7 +44,9 @@ class LeaseEpoch:
         self.value += 1
 
 
-class Victim(NamedTuple):
+class Victim(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    """A chunk evicted to make room (or pinned for a copy): its slot still holds its bytes."""
+
     key: ChunkKey
     slot: int
     owner: str
@@ -267,10 +269,12 @@ class TierIndex:
 
     def mark_ready_many(self, keys: Iterable[ChunkKey]) -> list[str]:
         """:meth:`mark_ready` on each of ``keys``; the namespaces they belong to, in order."""
-        state, names = self._state, self._namespace
+        state, names, resident = self._state, self._namespace, self._slots
         namespaces = []
         for key in keys:
-            slot = self._require(key)
+            slot = resident.get(key)
+            if slot is None:
+                slot = self._require(key)  # raises: not resident
             if state[slot] == READY:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already ready")
             state[slot] = READY
