@@ -96,11 +96,11 @@ class ARC:
             t2[key] = parent
         else:
             t1[key] = parent
-            if b1 or b2:
+            if b1.size() or b2.size():
                 self._trim_ghosts()
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
-        if self._b1 or self._b2:  # a key may be a ghost, which insert moves to T2
+        if self._b1.size() or self._b2.size():  # a key may be a ghost, which insert moves to T2
             check_new(keys, self.__contains__)
             for key in keys:
                 self.insert(key)

@@ -23,13 +23,15 @@ _ABSENT = object()
 class GhostQueue:
     """At most ``limit`` keys, oldest first; adding beyond the limit forgets the oldest."""
 
-    __slots__ = ("_keys", "has", "limit")
+    __slots__ = ("_keys", "has", "limit", "size")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._keys = KeyOrder()
-        #: ``key in ghosts`` as one C call (a policy asks it on every insert).
+        #: ``key in ghosts`` and ``len(ghosts)`` as one C call each (a policy asks them on
+        #: every insert).
         self.has: Callable[[object], bool] = self._keys.__contains__
+        self.size: Callable[[], int] = self._keys.__len__
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -56,7 +58,7 @@ class GhostQueue:
         if key in keys:
             return
         keys[key] = None
-        while len(keys) > self.limit:
+        while len(keys) > self.limit and keys:  # a limit below 0 keeps nothing, as 0 does
             keys.popitem(last=False)
 
     def hit(self, key: ChunkKey) -> bool:

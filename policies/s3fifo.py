@@ -115,7 +115,7 @@ class S3FIFO:
             self._n_small += 1
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
-        if self._ghost:  # a key may be a ghost, which insert moves to main
+        if self._ghost.size():  # a key may be a ghost, which insert moves to main
             check_new(keys, self.__contains__)
             for key in keys:
                 self.insert(key)

@@ -50,6 +50,13 @@ def test_adding_a_ghost_again_keeps_its_place() -> None:
     assert chunk_key(1) not in ghosts and chunk_key(2) in ghosts
 
 
+@pytest.mark.parametrize("limit", [0, -1])
+def test_a_queue_with_no_room_keeps_no_ghost(limit: int) -> None:
+    ghosts = GhostQueue(limit)
+    ghosts.add(chunk_key(1))
+    assert len(ghosts) == 0 and not ghosts.has(chunk_key(1))
+
+
 def test_many_ghost_hits_do_not_grow_its_memory() -> None:
     ghosts = GhostQueue(1000)
     once = GhostQueue(1000)
