@@ -41,15 +41,13 @@ class PrefixLinks:
     successor, with the list (``place``, the policy's own numbering) it was parked from.
     """
 
-    __slots__ = ("_parked", "_parked_at", "_release", "_successors", "has_successors", "is_parked")
+    __slots__ = ("_parked", "_parked_at", "_release", "_successors", "is_parked")
 
     def __init__(self, release: Release, places: int = 1) -> None:
         self._successors = KeyInts()
         self._parked: dict[ChunkKey, tuple[int, ChunkKey | None]] = {}
         self._parked_at = [0] * places
         self._release = release
-        #: Whether a resident key names ``key`` as predecessor (one ``dict`` lookup).
-        self.has_successors: Callable[[object], bool] = self._successors.__contains__
         self.is_parked: Callable[[object], bool] = self._parked.__contains__
 
     def parked(self, place: int | None = None) -> int:
@@ -107,10 +105,6 @@ class PrefixLinks:
 
     def parked_parent(self, key: ChunkKey) -> ChunkKey | None:
         return self._parked[key][1]
-
-    def successors(self, key: ChunkKey) -> int:
-        """Resident keys that name ``key`` as predecessor."""
-        return self._successors.get(key, 0)
 
     def first_leaf(
         self, keys: Iterable[ChunkKey], protected: Callable[[ChunkKey], bool]
