@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 
 import pytest
 from hypothesis import given, settings
@@ -99,3 +100,21 @@ def test_the_queue_behaves_as_a_bounded_deque_of_events(max_events: int, steps: 
                 model.append(KVEvent(kind=kind, tier="cpu", namespace=namespace, group=0, key=key))
         assert telemetry.events_dropped == dropped
     assert telemetry.drain_events() == list(model)
+
+
+def test_a_batch_keeps_the_keys_it_was_given_when_the_caller_changes_its_list() -> None:
+    telemetry = Telemetry(10)
+    keys = [chunk_key(1), chunk_key(2)]
+    telemetry.emit_many(STORED, "cpu", "a", 0, keys)
+    keys[0] = chunk_key(9)
+    keys.append(chunk_key(8))
+    assert [event.key for event in telemetry.drain_events()] == [chunk_key(1), chunk_key(2)]
+
+
+def test_the_queued_batches_are_not_tracked_by_the_garbage_collector() -> None:
+    """A full queue of tracked objects would be walked by every full collection."""
+    telemetry = Telemetry(100)
+    telemetry.emit(STORED, "cpu", "a", 0, chunk_key(1))
+    telemetry.emit_many(STORED, "cpu", "a", 0, [chunk_key(2), chunk_key(3)])
+    gc.collect()  # tuples of bytes are untracked by the collection that first sees them
+    assert not any(gc.is_tracked(batch) or gc.is_tracked(batch.keys) for batch in telemetry._batches)

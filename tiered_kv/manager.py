@@ -1281,7 +1281,9 @@ class TieredKV:
         return list(dict.fromkeys(drivers))
 
     def drain_events(self, max_events: int | None = None) -> list[KVEvent]:
-        """Take up to ``max_events`` KV events (all when ``None``), oldest first."""
+        """Take up to ``max_events`` KV events (all when ``None``), oldest first. The
+        records are built as they are drained: a bounded ``max_events`` per call bounds
+        how long the call holds the loop."""
         return self._telemetry.drain_events(max_events)
 
     def check_invariants(self) -> None:
