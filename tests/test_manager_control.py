@@ -6,6 +6,7 @@ The byte-moving paths over the real drivers are in ``test_manager_data.py``.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -119,6 +120,60 @@ async def test_a_chunk_whose_store_is_in_flight_is_not_a_hit(h: Harness) -> None
     h.gpu.gate.set()
     await h.kv.finish_request("r")
     assert h.lookup(keys) == 3
+
+
+async def test_a_written_through_chunk_reaches_nvme_when_a_store_in_the_same_turn_needs_its_cpu_slot() -> None:
+    # Regression: the copy to nvme was planned one turn of the loop after the store
+    # finished, and a store planned in between (cpu full) evicted the chunks before they
+    # were pinned for it: written through, they never reached nvme.
+    harness = await open_harness(config(cpu_chunks=2))
+    first, second = keys_for(2), keys_for(2, start=9_000)
+    harness.gpu.gate.clear()
+    await harness.store(first, request_id="A")
+    harness.gpu.gate.set()  # A's copy finishes in the next turn of the loop, and B is planned right after it
+    await asyncio.ensure_future(harness.store(second, request_id="B", offset=40))
+    await harness.kv.drain()
+    assert harness.kv.statistics().tiers[1].used_chunks >= 2
+    assert harness.lookup(first) == 2
+    await harness.kv.close()
+    harness.kv.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(30))
+async def test_every_chunk_a_write_through_store_submits_reaches_nvme_under_concurrent_stores(seed: int) -> None:
+    """Producers store distinct prompts into a cpu tier a few chunks large while the gpu
+    copies stall and resume at random; nvme has room for everything. Every chunk of a
+    store that submitted it must be on nvme afterwards, however the turns interleave."""
+    rng = random.Random(seed)
+    harness = await open_harness(config(cpu_chunks=rng.randint(2, 5), nvme_chunks=512))
+    submitted: list[list[bytes]] = []
+
+    async def producer(p: int) -> None:
+        for i in range(8):
+            keys = keys_for(rng.randint(1, 2), start=(p * 100 + i) * 1_000)
+            result = await harness.store(keys, request_id=f"{p}-{i}", offset=p * 8)
+            if result.submitted:
+                submitted.append(keys[: result.submitted])
+            await harness.kv.finish_request(f"{p}-{i}")
+            for _ in range(rng.randrange(3)):
+                await asyncio.sleep(0)
+
+    async def chaos() -> None:
+        for _ in range(40):
+            if rng.random() < 0.5:
+                harness.gpu.gate.clear()
+            else:
+                harness.gpu.gate.set()
+            await asyncio.sleep(0)
+        harness.gpu.gate.set()
+
+    await asyncio.gather(chaos(), *(producer(p) for p in range(rng.randint(2, 4))))
+    await harness.kv.drain()
+    assert submitted
+    for keys in submitted:
+        assert harness.lookup(keys) == len(keys)
+    await harness.kv.close()
+    harness.kv.check_invariants()
 
 
 async def test_finish_request_waits_until_its_stores_stop_reading_gpu_blocks(h: Harness) -> None:

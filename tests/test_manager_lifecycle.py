@@ -55,9 +55,10 @@ async def test_flush_from_a_tenant_waits_for_stores_reading_those_blocks() -> No
     await harness.kv.close()
 
 
-async def test_close_right_after_a_store_releases_its_job_before_it_ran() -> None:
+async def test_close_right_after_a_store_releases_its_job_before_its_task_ran() -> None:
     harness = await open_harness(config())
-    await harness.store(keys_for(2), request_id="early")  # the store task has not had a step yet
+    harness.gpu.gate.clear()
+    await harness.store(keys_for(2), request_id="early")  # its copy waits; the task going on with it has not run
     await harness.kv.close(drain=False)
     # finish_request must not hang on a job whose task never ran.
     assert harness.kv._jobs == {} and harness.kv.statistics().queue_depths["stores"] == 0

@@ -286,3 +286,240 @@ def test_a_keyboard_interrupt_in_a_background_task_is_the_hosts_not_a_failure_of
     assert scheduler is not None
     assert scheduler.fatal is None
     scheduler.check()
+
+
+# -- Scheduler.start: a job's first step now, the rest in a task -------------------------
+async def test_a_job_that_never_waits_runs_inside_start_and_leaves_no_task() -> None:
+    scheduler = Scheduler()
+    seen: list[str] = []
+
+    async def job() -> None:
+        seen.append("ran")
+
+    scheduler.start(job(), name="job", done=lambda: seen.append("done"))
+    assert seen == ["ran", "done"]  # before start returned, with no turn of the loop
+    assert scheduler.background == 0 and scheduler.fatal is None
+
+
+async def test_a_job_that_waits_has_run_its_first_step_and_finishes_in_a_task() -> None:
+    scheduler = Scheduler()
+    seen: list[str] = []
+    resume = asyncio.get_running_loop().create_future()
+
+    async def job() -> None:
+        seen.append("first")
+        seen.append(f"got {await resume}")
+        await asyncio.sleep(0)  # a bare yield, after the task took over
+        seen.append("last")
+
+    scheduler.start(job(), name="job", done=lambda: seen.append("done"))
+    assert seen == ["first"] and scheduler.background == 1
+    await settle()
+    assert seen == ["first"]
+    resume.set_result(7)
+    await scheduler.drain()
+    await settle()
+    assert seen == ["first", "got 7", "last", "done"] and scheduler.background == 0
+
+
+async def test_a_job_whose_first_step_yields_bare_goes_on_in_its_task() -> None:
+    scheduler = Scheduler()
+    seen: list[str] = []
+
+    async def job() -> None:
+        seen.append("first")
+        await asyncio.sleep(0)
+        seen.append("second")
+
+    scheduler.start(job(), name="job", done=lambda: seen.append("done"))
+    assert seen == ["first"]
+    await scheduler.drain()
+    await settle()
+    assert seen == ["first", "second", "done"]
+
+
+async def test_a_job_cancelled_before_its_task_ran_unwinds_where_it_waits() -> None:
+    """The task that goes on with a started job is cancelled before its first step (a
+    host's cancel-all, a close): the job sees the cancellation at the await it stopped
+    at, its clean-up runs, and the future it waited for is cancelled, as in a task that
+    had run it from the start."""
+    scheduler = Scheduler()
+    seen: list[str] = []
+    waited = asyncio.get_running_loop().create_future()
+
+    async def job() -> None:
+        try:
+            await waited
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+        finally:
+            seen.append("clean-up")
+
+    scheduler.start(job(), name="job", done=lambda: seen.append("done"))
+    await scheduler.close()
+    await settle()
+    assert seen == ["cancelled", "clean-up", "done"]
+    assert waited.cancelled() and scheduler.fatal is None and scheduler.background == 0
+
+
+async def test_what_escapes_a_first_step_is_kept_as_fatal_not_raised_to_the_caller() -> None:
+    scheduler = Scheduler()
+    seen: list[str] = []
+
+    async def job() -> None:
+        raise ValueError("bug")
+
+    scheduler.start(job(), name="job", done=lambda: seen.append("done"))
+    assert seen == ["done"] and isinstance(scheduler.fatal, ValueError)
+    with pytest.raises(TieredKVError, match="background task failed"):
+        scheduler.check()
+
+
+async def test_what_escapes_a_started_job_later_is_kept_as_fatal() -> None:
+    scheduler = Scheduler()
+
+    async def job() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("bug")
+
+    scheduler.start(job(), name="job", done=lambda: None)
+    assert scheduler.fatal is None
+    await scheduler.drain()
+    await settle()
+    assert isinstance(scheduler.fatal, ValueError)
+
+
+async def test_a_keyboard_interrupt_in_a_first_step_is_raised_to_the_host() -> None:
+    scheduler = Scheduler()
+    seen: list[str] = []
+
+    async def job() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        scheduler.start(job(), name="job", done=lambda: seen.append("done"))
+    assert seen == ["done"] and scheduler.fatal is None
+
+
+async def test_a_first_step_runs_in_a_copy_of_the_callers_context_which_its_task_keeps() -> None:
+    import contextvars
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="caller's")
+    scheduler = Scheduler()
+    seen: list[str] = []
+
+    async def job() -> None:
+        seen.append(var.get())
+        var.set("job's")
+        await asyncio.sleep(0)
+        seen.append(var.get())
+
+    var.set("bound")
+    scheduler.start(job(), name="job", done=lambda: None)
+    assert var.get() == "bound"  # the job's own setting stays in the job
+    await scheduler.drain()
+    assert seen == ["bound", "job's"]
+
+
+async def test_a_closed_scheduler_starts_nothing_and_closes_the_coroutine() -> None:
+    scheduler = Scheduler()
+    await scheduler.close()
+    ran: list[str] = []
+
+    async def job() -> None:
+        ran.append("ran")
+
+    coro = job()
+    with pytest.raises(TieredKVError, match="closed"):
+        scheduler.start(coro, name="job", done=lambda: ran.append("done"))
+    assert ran == [] and coro.cr_frame is None  # closed, never run
+
+
+async def test_a_started_jobs_task_shows_the_jobs_name_and_stack() -> None:
+    scheduler = Scheduler()
+    waited = asyncio.get_running_loop().create_future()
+
+    async def copy_chunks() -> None:
+        await waited
+
+    scheduler.start(copy_chunks(), name="store-r", done=lambda: None)
+    [task] = scheduler._tasks
+    assert task.get_name() == "store-r" and "copy_chunks" in repr(task)
+    assert [frame.f_code.co_name for frame in task.get_stack()] == ["copy_chunks"]
+    waited.set_result(None)
+    await scheduler.drain()
+
+
+@pytest.mark.parametrize("seed", range(200))
+async def test_started_jobs_under_random_waits_failures_and_cancellations(seed: int) -> None:
+    """Random jobs (waits on futures resolved later or never, bare yields, failures) and
+    random cancel-alls: each job's ``done`` runs once, after its clean-up; what it awaited
+    when cancelled is cancelled; no task is left; a failure is kept iff a job raised.
+    Without a cancellation, each job observes what the same job does in a plain task."""
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    programs = [
+        [rng.choice(["wait", "wait", "never", "yield", "raise"]) for _ in range(rng.randint(0, 4))]
+        for _ in range(rng.randint(1, 4))
+    ]
+    cancel_after = rng.choice([None, 0, 1, 2, 5])
+
+    async def run(start: bool) -> tuple[list[list[str]], list[int], list[asyncio.Future[int]], Scheduler]:
+        scheduler = Scheduler()
+        traces: list[list[str]] = [[] for _ in programs]
+        dones = [0] * len(programs)
+        awaited: list[asyncio.Future[int]] = []
+
+        async def job(j: int, program: list[str]) -> None:
+            trace = traces[j]
+            try:
+                for i, op in enumerate(program):
+                    if op in ("wait", "never"):
+                        future = loop.create_future()
+                        awaited.append(future)
+                        if op == "wait":
+                            loop.call_later(0.001 * rng.random(), lambda f=future, v=i: f.done() or f.set_result(v))
+                        if op == "never" and cancel_after is None:
+                            future.set_result(-1)
+                        trace.append(f"got {await future}")
+                    elif op == "yield":
+                        await asyncio.sleep(0)
+                        trace.append("yielded")
+                    else:
+                        raise ValueError(f"job {j}")
+            except asyncio.CancelledError:
+                trace.append("cancelled")
+                raise
+            finally:
+                trace.append("clean-up")
+
+        def finished(j: int) -> None:
+            assert traces[j][-1] == "clean-up"
+            dones[j] += 1
+
+        for j, program in enumerate(programs):
+            if start:
+                scheduler.start(job(j, program), name=f"job{j}", done=lambda j=j: finished(j))
+            else:
+                task = scheduler.spawn(job(j, program), name=f"job{j}")
+                task.add_done_callback(lambda _, j=j: finished(j))
+        if cancel_after is not None:
+            for _ in range(cancel_after):
+                await asyncio.sleep(0)
+            await scheduler.close()
+        else:
+            await asyncio.wait_for(scheduler.drain(), 5)
+        await settle()
+        return traces, dones, awaited, scheduler
+
+    traces, dones, awaited, scheduler = await run(start=True)
+    assert dones == [1] * len(programs)
+    assert scheduler.background == 0
+    assert all(future.done() for future in awaited)  # resolved, or cancelled with its waiter
+    failed = [j for j, program in enumerate(programs) if "cancelled" not in traces[j] and "raise" in program]
+    assert (scheduler.fatal is not None) == bool(failed), (programs, traces)
+    if cancel_after is None:
+        plain_traces, plain_dones, _, plain = await run(start=False)
+        assert traces == plain_traces and dones == plain_dones
+        assert repr(scheduler.fatal) == repr(plain.fatal)

@@ -959,8 +959,9 @@ class TieredKV:
             for group in plan.groups:
                 job = _StoreJob(group, namespace, request_id)
                 self._jobs[request_id].add(job)
-                task = self._scheduler.spawn(self._run_store(job), name=f"store-{request_id}")
-                task.add_done_callback(functools.partial(self._store_finished, job))
+                self._scheduler.start(
+                    self._run_store(job), name=f"store-{request_id}", done=functools.partial(self._store_finished, job)
+                )
             if submitted:
                 log.debug("store.submitted", request_id=request_id, n_chunks=submitted)
             if plan.skipped:
@@ -998,7 +999,7 @@ class TieredKV:
         if write_through:
             self._write_behind(pool, write_through, job.namespace)
 
-    def _store_finished(self, job: _StoreJob, task: asyncio.Task[None]) -> None:
+    def _store_finished(self, job: _StoreJob) -> None:
         """Whatever became of a store's task, give back what its job holds. A task
         cancelled before its first step never ran ``_run_store``'s clean-up."""
         if not job.started:
@@ -1023,8 +1024,10 @@ class TieredKV:
         keys = [key for key in keys if key not in pool.nvme]
         if not keys or not self._take_room(self._write_behind_budget, "nvme", pool, len(keys)):
             return
-        task = self._scheduler.spawn(self._copy_to_nvme(pool, keys), name="write-behind")
-        task.add_done_callback(lambda _: self._write_behind_budget.give(len(keys)))
+        # Started now: the copy pins its chunks before another store can evict them.
+        self._scheduler.start(
+            self._copy_to_nvme(pool, keys), name="write-behind", done=lambda: self._write_behind_budget.give(len(keys))
+        )
 
     def _write_remote(self, pool: Pool, keys: list[ChunkKey], namespace: Namespace) -> None:
         assert pool.hint is not None
@@ -1032,8 +1035,11 @@ class TieredKV:
         keys = [key for key in keys if not pool.hint.likely(key, fingerprint)]
         if not keys or not self._take_room(self._remote_write_budget, "remote", pool, len(keys)):
             return
-        task = self._scheduler.spawn(self._copy_to_remote(pool, keys, namespace), name="remote-write")
-        task.add_done_callback(lambda _: self._remote_write_budget.give(len(keys)))
+        self._scheduler.start(
+            self._copy_to_remote(pool, keys, namespace),
+            name="remote-write",
+            done=lambda: self._remote_write_budget.give(len(keys)),
+        )
 
     async def _copy_to_remote(self, pool: Pool, keys: list[ChunkKey], namespace: Namespace) -> None:
         """Write-through and selective: copy READY cpu chunks to the remote tier, pinned meanwhile."""

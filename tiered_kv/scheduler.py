@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import functools
 import heapq
 import itertools
-from collections.abc import Callable, Coroutine, Hashable, Iterable
+from collections.abc import Callable, Coroutine, Generator, Hashable, Iterable
+from types import FrameType
 from typing import Any, TypeVar
 
 from tiered_kv.checks import is_int_at_least
@@ -195,6 +197,40 @@ class Scheduler:
         task.add_done_callback(self._finished)
         return task
 
+    def start(self, coro: Coroutine[Any, Any, None], *, name: str, done: Callable[[], None]) -> None:
+        """Run ``coro``'s first step now, and the rest, if it has to wait, in a background
+        task; ``done()`` once it has finished, now or from the task's done callback.
+
+        A job whose copies complete without waiting (nothing to spill, a data plane that
+        answers at once) then costs no task and no turn of the loop, and one that waits has
+        started its copies before the caller regains the loop. Like a task's, the first
+        step runs in a copy of the caller's context; what escapes it is kept as
+        :attr:`fatal`, not raised to the caller.
+        """
+        if self._closing:
+            coro.close()
+            raise TieredKVError("the scheduler is closed")
+        context = contextvars.copy_context()
+        try:
+            waiting = context.run(coro.send, None)
+        except StopIteration:
+            done()
+            return
+        except (KeyboardInterrupt, SystemExit):
+            done()
+            raise
+        except asyncio.CancelledError:
+            done()
+            return
+        except BaseException as exc:
+            done()
+            self._failed(name, exc)
+            return
+        task = asyncio.get_running_loop().create_task(_Started(coro, waiting), name=name, context=context)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+        task.add_done_callback(lambda _: done())
+
     def _finished(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if task.cancelled():
@@ -202,9 +238,13 @@ class Scheduler:
         exc = task.exception()
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # the host's, raised out of the loop already
             return
-        if exc is not None and self.fatal is None:
+        if exc is not None:
+            self._failed(task.get_name(), exc)
+
+    def _failed(self, name: str, exc: BaseException) -> None:
+        if self.fatal is None:
             self.fatal = exc
-            log.error("task.failed", task=task.get_name(), error=repr(exc))
+            log.error("task.failed", task=name, error=repr(exc))
 
     def shared(self, key: Hashable, start: Callable[[], Coroutine[Any, Any, T]], *, name: str) -> asyncio.Task[T]:
         """The in-flight task for ``key``, started with ``start()`` if there is none.
@@ -263,3 +303,44 @@ async def wait_out(futures: Iterable[asyncio.Future[Any]]) -> bool:
             cancelled = True
         pending = [future for future in pending if not future.done()]
     return cancelled
+
+
+class _Started(Coroutine[Any, Any, Any]):
+    """A coroutine whose first step has run (:meth:`Scheduler.start`), for a task to go on
+    with: the task's first step waits for what that step waits for, and every later one
+    is the coroutine's own. A cancellation before the task's first step reaches the
+    coroutine where it waits, with the future it waits for cancelled, as it would in a
+    task that had run it from the start."""
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], waiting: Any) -> None:
+        self._coro = coro
+        self._waiting: Any = waiting
+        self._first = True
+        self.__name__ = getattr(coro, "__name__", type(coro).__name__)
+        self.__qualname__ = getattr(coro, "__qualname__", self.__name__)
+
+    def send(self, value: Any) -> Any:
+        if self._first:
+            self._first = False
+            waiting, self._waiting = self._waiting, None
+            return waiting
+        return self._coro.send(value)
+
+    def throw(self, exc: Any, /, *rest: Any) -> Any:
+        if self._first:
+            self._first = False
+            waiting, self._waiting = self._waiting, None
+            if waiting is not None:
+                waiting.cancel()
+        return self._coro.throw(exc, *rest)
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def __await__(self) -> Generator[Any, None, Any]:  # pragma: no cover - only tasks step it
+        raise TypeError("a started coroutine is stepped by its task only")
+
+    @property
+    def cr_frame(self) -> FrameType | None:
+        """The coroutine's frame, for :meth:`asyncio.Task.get_stack`."""
+        return getattr(self._coro, "cr_frame", None)
