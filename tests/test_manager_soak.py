@@ -160,9 +160,17 @@ async def soak(tmp_path: Path, seed: int, latency_s: float, server: ValkeyServer
             finally:
                 await engine.release(blocks)
 
+        async def drainer() -> None:
+            """``drain`` and ``flush`` under deadlines, as a health check or a shutdown with a
+            time limit calls them: a deadline ends the caller's wait, never others' copies."""
+            for _ in range(4):
+                await asyncio.sleep(rng.uniform(0, 0.002))
+                await deadline(rng, kv.drain() if rng.random() < 0.5 else kv.flush(), always=True)
+
         async def run_round(r: int) -> None:
             tasks = [asyncio.ensure_future(request(f"r{r}-{i}")) for i in range(REQUESTS_PER_ROUND)]
             tasks += [asyncio.ensure_future(hot_reader(f"h{r}-{i}", with_deadlines=i % 2 == 1)) for i in range(4)]
+            tasks += [asyncio.ensure_future(drainer()) for _ in range(2)]
             for task in rng.sample(tasks, k=REQUESTS_PER_ROUND // 10):
                 await asyncio.sleep(rng.uniform(0, 0.001))
                 task.cancel()

@@ -264,9 +264,11 @@ class Scheduler:
             del self._shared[key]
 
     async def drain(self) -> None:
-        """Wait until no background task is left (tasks may spawn others)."""
+        """Wait until no background task is left (tasks may spawn others). A caller's
+        deadline or cancellation ends the wait, never the tasks: they are the copies of
+        every caller."""
         while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await asyncio.wait(list(self._tasks))
 
     def cancel(self) -> None:
         """Refuse new tasks and cancel every background task, before any of them runs again."""
