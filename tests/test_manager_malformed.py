@@ -193,3 +193,20 @@ async def test_a_closed_manager_refuses_every_call_with_a_typed_error(tmp_path: 
             assert "closed" in str(exc)
         else:
             raise AssertionError("a closed manager answered")
+
+
+async def test_a_lookup_stops_at_a_value_that_is_not_a_chunk_key_and_raises_nothing() -> None:
+    """``lookup`` does not check its keys one by one (it is the engine's per-step call):
+    a value that is not 16 ``bytes`` matches no chunk, hashable or not."""
+    from test_manager_control import NS as NULL_NS
+    from test_manager_control import config, keys_for, open_harness
+
+    harness = await open_harness(config())
+    keys = keys_for(3)
+    await harness.store(keys)
+    await harness.kv.finish_request("r")
+    assert harness.lookup(keys) == 3
+    for bad in (None, "k" * 16, bytearray(keys[1]), memoryview(keys[1]), keys[1][:8], [1, 2], {"a": 1}, 17):
+        assert harness.kv.lookup(NULL_NS, [[keys[0], bad, keys[2]]]) == 1, bad
+    assert harness.lookup(keys) == 3  # and the manager goes on serving
+    await harness.kv.close()

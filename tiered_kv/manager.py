@@ -520,7 +520,11 @@ class TieredKV:
         A chunk the remote tier likely holds counts, without a network round trip: the
         load may find it gone and then returns fewer tokens. Where the run stops at a
         chunk no tier knows of, a background probe asks the remote tier about it and the
-        chunks after it, so a later lookup sees what other engines stored."""
+        chunks after it, so a later lookup sees what other engines stored.
+
+        The keys are not checked one by one, as ``load`` and ``store`` check them: this is
+        the engine's call for every waiting request at every step, and a value that is
+        not a chunk key (not 16 ``bytes``) matches no chunk, so the run stops there."""
         if self._closed or self._scheduler.fatal is not None:
             self._check()
         pools = self._pools_of(namespace)
@@ -1082,10 +1086,12 @@ class TieredKV:
         return True
 
     async def _copy_to_nvme(self, pool: Pool, keys: list[ChunkKey]) -> None:
-        """Write-through and selective: copy READY cpu chunks to nvme, pinned meanwhile."""
+        """Write-through and selective: copy READY cpu chunks to nvme, pinned meanwhile.
+        Planned (pinned) in the step that starts it; the copy itself is built and submitted
+        in a turn of the loop of its own, not added to the step that marked the chunks READY."""
         write = self._control.plan_nvme_copy(pool, keys)
         if write is not None:
-            await self._write_nvme(write)
+            await self._write_nvme(write, own_turn=True)
 
     async def _spill(self, pool: Pool, evicted: list[Victim]) -> None:
         """Write-back: copy chunks the cpu tier just evicted to nvme and to the remote tier
@@ -1116,24 +1122,27 @@ class TieredKV:
         finally:
             self._remote_write_budget.give(len(known))
 
-    async def _write_nvme(self, write: NvmeWrite) -> None:
-        """Run one planned cpu → nvme copy and report it; failed copies are dropped."""
+    async def _write_nvme(self, write: NvmeWrite, *, own_turn: bool = False) -> None:
+        """Run one planned cpu → nvme copy and report it; failed or cancelled copies are
+        dropped. ``own_turn``: first let the loop run what else is ready."""
         drivers = self._drivers[write.pool.id]
         assert drivers.nvme is not None
         index, model = write.pool.nvme, write.pool.fingerprint
         assert index is not None
-        ops = [
-            TransferOp(
-                buffer=drivers.cpu.view(cpu_slot),
-                key=key,
-                slot=nvme_slot,
-                # A warm restart knows no tenants: only the model's own chunks come back.
-                restorable=index.namespace(key) == model,
-            )
-            for key, cpu_slot, nvme_slot in write.chunks
-        ]
         ok = False
         try:
+            if own_turn:
+                await asyncio.sleep(0)
+            ops = [
+                TransferOp(
+                    buffer=drivers.cpu.view(cpu_slot),
+                    key=key,
+                    slot=nvme_slot,
+                    # A warm restart knows no tenants: only the model's own chunks come back.
+                    restorable=index.namespace(key) == model,
+                )
+                for key, cpu_slot, nvme_slot in write.chunks
+            ]
             async with self._disk_gate.hold(STORE_PRIORITY):
                 await drivers.nvme.write(ops)
             ok = True
