@@ -67,6 +67,13 @@ def test_slot_views_are_page_aligned_and_share_the_slab() -> None:
     assert views[0].untyped_storage().data_ptr() == views[2].untyped_storage().data_ptr()
 
 
+def test_a_slots_view_is_made_once_and_each_slot_has_its_own() -> None:
+    tier = PinnedCpuTier(slot_bytes=4096, num_slots=3)
+    first = [tier.view(slot) for slot in range(3)]
+    assert all(tier.view(slot) is view for slot, view in enumerate(first))
+    assert len({view.data_ptr() for view in first}) == 3
+
+
 async def test_bytes_put_through_a_view_are_read_back_by_the_driver() -> None:
     tier = PinnedCpuTier(slot_bytes=4096, num_slots=2)
     tier.view(1).copy_(torch.arange(4096) % 251)

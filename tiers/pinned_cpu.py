@@ -113,6 +113,9 @@ class PinnedCpuTier(DriverBase):
             self._unpin = weakref.finalize(self, _unregister, slab.data_ptr())
         #: Each slot's ``slot_bytes`` (of its ``slot_stride``), one row each.
         self._rows = slab.view(num_slots, self.slot_stride)[:, :slot_bytes]
+        #: The view of each slot handed out so far (a tensor costs a µs to make; stores and
+        #: loads ask for one per chunk, write-behind again).
+        self._views: list[torch.Tensor | None] = [None] * num_slots
         self._executor = worker_pool("cpu", COPY_WORKERS)
         log.debug(
             "cpu.opened",
@@ -127,7 +130,10 @@ class PinnedCpuTier(DriverBase):
         """Slot ``slot`` as a zero-copy, page-aligned ``uint8`` tensor of ``slot_bytes``."""
         if outside(slot, self.num_slots):
             raise ValueError(f"slot {slot} is outside this tier's {self.num_slots} slots")
-        return self._rows[slot]
+        view = self._views[slot]
+        if view is None:
+            view = self._views[slot] = self._rows[slot]
+        return view
 
     async def read(self, ops: Sequence[TransferOp]) -> None:
         await self._copy(ops, read=True)
