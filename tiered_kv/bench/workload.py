@@ -97,7 +97,7 @@ class WorkloadSection:
         chunk_tokens = CHUNK_TOKENS if args.trace is None else args.trace_chunk_tokens
         namespace = model_from_args(args, self.model).namespace(chunk_tokens)
         geometry = namespace.geometry
-        trace = bench_trace(args, geometry.chunk_size)
+        trace = bench_trace(args)
         if trace is not None:
             traces = {trace.name: trace.requests[: args.workload_requests]}
             arrivals = trace.has_arrivals
