@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -100,3 +102,69 @@ def test_bench_policies_refuses_a_file_that_is_not_a_trace(tmp_path: Path, capsy
     assert exit_status.value.code == 2
     err = capsys.readouterr().err
     assert "argument --trace: notes.txt is not a Mooncake-format trace" in err and "Traceback" not in err
+
+
+def _trace_rows(requests: int) -> str:
+    return "".join(
+        f'{{"timestamp": {i}, "input_length": 1100, "hash_ids": [0, {i % 3 + 1}, {i}]}}\n' for i in range(requests)
+    )
+
+
+def test_bench_policies_replays_a_pipe_whole(tmp_path: Path) -> None:
+    """Regression: --trace was read once to check it and again by the section, so a pipe
+    was replayed from where the check had stopped, some requests short, silently."""
+    rows = _trace_rows(3000)
+    (tmp_path / "file").mkdir()
+    (tmp_path / "file" / "mine.jsonl").write_text(rows)
+    (tmp_path / "pipe").mkdir()
+    fifo = tmp_path / "pipe" / "mine.jsonl"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=(rows,))
+    writer.start()
+    figures = []
+    for path in (fifo, tmp_path / "file" / "mine.jsonl"):
+        out = tmp_path / "bench.json"
+        assert (
+            main(["bench", "policies", *SMALL, "--trace", str(path), "--trace-chunk-tokens", "512", "--json", str(out)])
+            == 0
+        )
+        figures.append(json.loads(out.read_text())["policies"]["hit_rates"])
+    writer.join()
+    assert figures[0] == figures[1]
+
+
+def test_bench_refuses_a_trace_in_another_block_size_before_any_section_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: the block size was checked only by each section, which then failed (exit 1)."""
+    trace = tmp_path / "mine.jsonl"
+    trace.write_text(_trace_rows(10))
+    with pytest.raises(SystemExit) as exit_status:
+        main(["bench", "policies", *SMALL, "--trace", str(trace), "--trace-block-tokens", "256"])
+    assert exit_status.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --trace: mine.jsonl is not a Mooncake-format trace" in err and "needs 5 blocks of 256" in err
+    assert "[policies]" not in err  # no section started
+
+
+def test_bench_reports_a_deeply_nested_line_as_bad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: a first line nested 100,000 deep raised RecursionError, a traceback."""
+    trace = tmp_path / "mine.jsonl"
+    nested = (
+        '{"timestamp": 0, "input_length": 1100, "hash_ids": [0, 1, 2], "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    )
+    trace.write_text(nested + _trace_rows(10))
+    assert main(["bench", "policies", *SMALL, "--trace", str(trace), "--trace-chunk-tokens", "512"]) == 0
+    assert "mine.jsonl: skipped 1 bad lines (line 1: JSON nested too deeply)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--trace-block-tokens", "--trace-chunk-tokens"])
+def test_bench_refuses_blocks_and_chunks_too_large_to_key(
+    tmp_path: Path, option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "mine.jsonl"
+    trace.write_text(_trace_rows(10))
+    with pytest.raises(SystemExit) as exit_status:
+        main(["bench", "policies", "--trace", str(trace), option, "8589934592"])
+    assert exit_status.value.code == 2
+    assert f"argument {option}: must be at most 1,048,576, got '8589934592'" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from remote_support import requires_valkey
 from tiered_kv.bench.schema import SharingFigures
 from tiered_kv.bench.sharing import TRACE, sharing_table, two_engine_figures
 from tiered_kv.layout import KVGeometry, KVGroup
+from tiered_kv.trace_file import parse_lines
 from tiered_kv.traces import CHUNK_TOKENS, standard_traces
 
 pytestmark = requires_valkey
@@ -38,6 +39,16 @@ async def test_sharing_a_remote_tier_buys_hits_the_engines_alone_miss() -> None:
     assert figures.extra_hit_rate == shared.hit_rate - alone.hit_rate
     assert alone.chunks_looked_up == shared.chunks_looked_up == sum(len(r.keys) for r in requests)
     assert "sharing buys +" in sharing_table(figures).render()
+
+
+async def test_the_engines_load_prompts_longer_than_32_chunks() -> None:
+    # Their block tables used to wrap at 32 chunks: every load of a longer prompt was rejected.
+    line = b'{"timestamp": 0, "input_length": 10240, "hash_ids": [%s]}' % b",".join(b"%d" % i for i in range(40))
+    requests = parse_lines([line] * 4, name="long", block_tokens=256, chunk_tokens=CHUNK_TOKENS).requests
+    args = argparse.Namespace(cpu_fraction=1.0, nvme_fraction=1.0, nvme_dir=None, prefill_tokens_per_s=10_000.0)
+    figures = await two_engine_figures("long", requests, TINY, args)
+    assert isinstance(figures, SharingFigures)
+    assert all(run.tokens_from_cache > 0 for run in figures.runs)
 
 
 def test_without_a_server_the_part_says_it_was_left_out() -> None:

@@ -67,6 +67,20 @@ def test_config_check_of_a_bad_field_names_file_and_field(tmp_path: Path, capsys
     assert captured.err == f"tiered-kv config check: {path}: [nvme.io_dept] Object contains unknown field `io_dept`\n"
 
 
+def test_config_check_of_an_endless_file_reads_a_bounded_part(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: /dev/zero was read whole, until memory ran out."""
+    path = tmp_path / "kv.toml"
+    path.symlink_to("/dev/zero")
+    assert main(["config", "check", str(path)]) == 1
+    assert (
+        capsys.readouterr().err == f"tiered-kv config check: {path}: larger than 1,048,576 bytes: not a config file\n"
+    )
+    with pytest.raises(ConfigError, match="larger than 1,048,576 bytes"):
+        asyncio.run(load_config_async(path))
+
+
 def test_the_async_loader_reads_json_too(tmp_path: Path) -> None:
     path = tmp_path / "kv.json"
     path.write_bytes(msgspec.json.encode(load_config(EXAMPLE)))

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from conftest import make_namespace
@@ -355,3 +356,18 @@ def test_a_slot_map_giving_no_slot_size_is_damage_not_a_crash(store: Path, capsy
     code, report, _ = inspect_cli(capsys, store, "--verify")
     assert code == 1
     assert any("0 bytes per slot" in line for line in damage_lines(report)), report
+
+
+async def test_names_read_from_a_store_are_printed_with_control_characters_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: a model id planted in namespace.json reached the terminal raw: an ANSI
+    escape and a newline could erase and forge report lines."""
+    forged = "x\x1b[2K\rtotal: 1 store(s), 0 chunks: all verify\nmodel ok"
+    root = tmp_path / "nvme"
+    tier = await open_group(root, 0, msgspec.structs.replace(hybrid(), model_id=forged))
+    await tier.close()
+    code, report, document = inspect_cli(capsys, root)
+    assert code == 0 and "\x1b" not in report and "\r" not in report
+    assert "model x\\x1b[2K\\rtotal: 1 store(s), 0 chunks: all verify\\nmodel ok  revision v2" in report
+    assert document["stores"][0]["namespace"]["model_id"] == forged  # the JSON report keeps it as it is

@@ -58,6 +58,15 @@ def test_plan_on_a_file_that_is_not_a_trace_is_one_line_and_status_2(
     assert err.startswith("tiered-kv plan: notes.txt is not a Mooncake-format trace") and "\n" not in err
 
 
+@pytest.mark.parametrize("option", ["--trace-block-tokens", "--chunk-tokens"])
+def test_plan_refuses_blocks_and_chunks_too_large_to_key(option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: a block of 2**33 tokens broke the keys' struct: exit 1, ``error: error: 'I' format ...``."""
+    with pytest.raises(SystemExit) as exit_status:
+        main(["plan", "--synthetic", "chat", option, "8589934592"])
+    assert exit_status.value.code == 2
+    assert f"argument {option}: must be at most 1,048,576, got '8589934592'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bad", [["--capacities", "0,5"], ["--target-hit-rate", "1.5"], ["--synthetic", "nope"]])
 def test_plan_rejects_bad_options(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import pytest
 
-from tiered_kv.errors import TraceFormatError
+from tiered_kv import trace_file
+from tiered_kv.errors import ConfigError, TraceFormatError
 from tiered_kv.policies import ARC, LRU, S3FIFO, SeenK
-from tiered_kv.trace_file import HashIds, check_trace_file, parse_lines, read_trace, trace_lines, write_trace
+from tiered_kv.trace_file import (
+    HashIds,
+    bounded_lines,
+    parse_lines,
+    read_trace,
+    read_trace_text,
+    trace_lines,
+    write_trace,
+)
 from tiered_kv.traces import distinct_chunks, replay, standard_traces
 
 
@@ -81,6 +91,13 @@ def test_requests_come_in_arrival_order_and_out_of_order_lines_are_counted() -> 
         ('{"timestamp": 0, "input_length": 512, "hash_ids": [1.5]}', "hash_ids"),
         ('{"timestamp": 0, "input_length": 2000, "hash_ids": [0, 1]}', "needs 4 blocks of 512"),
         ('{"timestamp": 1e999, "input_length": 512, "hash_ids": [0]}', "timestamp"),
+        # Regressions: these raised OverflowError or RecursionError, which ended the whole read.
+        ('{"timestamp": 1' + "0" * 400 + ', "input_length": 512, "hash_ids": [0]}', "timestamp"),
+        ('{"timestamp": 0, "input_length": 1' + "0" * 400 + ', "hash_ids": [0]}', "input_length"),
+        (
+            '{"timestamp": 0, "input_length": 512, "hash_ids": [0], "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            "nested",
+        ),
         ("[1, 2, 3]", "object"),
     ],
 )
@@ -157,16 +174,44 @@ def test_written_lines_are_the_format() -> None:
     assert first.startswith(b'{"timestamp":0,"input_length":') and b'"hash_ids":[' in first
 
 
-def test_a_quick_check_accepts_a_trace_and_refuses_what_is_not_one(tmp_path: Path) -> None:
-    good = tmp_path / "good.jsonl"
-    good.write_text("oops\n" + '{"timestamp": 0, "input_length": 512, "hash_ids": [0]}\n')
-    check_trace_file(good)
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("oops\n" * 200 + '{"timestamp": 0, "input_length": 512, "hash_ids": [0]}\n')
-    with pytest.raises(TraceFormatError, match=r"bad\.jsonl is not a Mooncake-format trace.*line 1: "):
-        check_trace_file(bad)
-    with pytest.raises(TraceFormatError, match="cannot read trace"):
-        check_trace_file(tmp_path / "absent.jsonl")
+def test_a_line_longer_than_the_limit_is_a_bad_line_and_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace_file, "MAX_LINE_BYTES", 100)
+    good = b'{"timestamp": 0, "input_length": 512, "hash_ids": [0]}\n'
+    kept = list(bounded_lines(io.BytesIO(good + b"x" * 1000 + b"\n" + good), "t"))
+    assert [len(line) for line in kept] == [len(good), 101, len(good)]
+    trace = parse_lines(kept, name="t", chunk_tokens=512)
+    assert (
+        len(trace.requests) == 2
+        and trace.describe_bad_lines() == "t: skipped 1 bad lines (line 2: longer than 100 bytes)"
+    )
+
+
+def test_an_endless_file_is_refused_once_past_the_size_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: /dev/zero was read as one line until memory ran out."""
+    monkeypatch.setattr(trace_file, "MAX_TRACE_BYTES", 4 << 20)
+    with pytest.raises(TraceFormatError, match=r"^zero is not a trace: it is larger than 0 GiB$"):
+        read_trace(Path("/dev/zero"), chunk_tokens=512)
+
+
+def test_a_block_or_chunk_too_large_to_key_is_a_config_error() -> None:
+    """Regression: a block of 2**32 tokens broke the keys' struct (struct.error)."""
+    rows = lines('{"timestamp": 0, "input_length": 8589934592, "hash_ids": [0]}')
+    with pytest.raises(ConfigError, match=r"\[block_tokens\] must be between 1 and 1,048,576, got 8589934592"):
+        parse_lines(rows, name="t", block_tokens=2**33, chunk_tokens=512)
+    with pytest.raises(ConfigError, match=r"\[chunk_tokens\] must be between 1 and 1,048,576"):
+        parse_lines(rows, name="t", chunk_tokens=2**33)
+
+
+def test_a_pipe_is_read_once_whole(tmp_path: Path) -> None:
+    rows = lines(*[f'{{"timestamp": {i}, "input_length": 512, "hash_ids": [{i}]}}' for i in range(50)])
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as sink:
+        sink.write(b"".join(rows))
+    try:
+        text = read_trace_text(Path(f"/dev/fd/{read}"))
+    finally:
+        os.close(read)
+    assert text.lines == rows
 
 
 def test_a_byte_order_mark_before_the_first_line_loses_no_request(tmp_path: Path) -> None:
@@ -175,6 +220,5 @@ def test_a_byte_order_mark_before_the_first_line_loses_no_request(tmp_path: Path
     rows.append(b'{"timestamp": 5, "input_length": 512, "output_length": 1, "hash_ids": [1]}\n')
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b"".join(rows))
-    check_trace_file(path)
     trace = read_trace(path, chunk_tokens=512)
     assert len(trace.requests) == 2 and not trace.bad_lines

@@ -46,6 +46,18 @@ def positive_int(text: str) -> int:
     return _positive(text, int, "a whole number")
 
 
+def positive_int_up_to(maximum: int) -> Callable[[str], int]:
+    """A size option with a ceiling: a whole number from 1 to ``maximum``."""
+
+    def bounded(text: str) -> int:
+        value = positive_int(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:,}, got {text!r}")
+        return value
+
+    return bounded
+
+
 def positive_float(text: str) -> float:
     """A rate, scale or share option: a finite number above zero."""
     return _positive(text, float, "a finite number")

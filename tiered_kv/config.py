@@ -2,7 +2,8 @@
 
 Unknown fields are rejected, and every error names the bad field and the file it came
 from, so a typo in a deployment's config fails at start-up instead of silently using a
-default.
+default. A file larger than ``MAX_CONFIG_BYTES`` is not a config: at most that much of
+it is read.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.registry import ADMISSION_FILTERS, POLICIES
 
 T = TypeVar("T")
+
+#: The largest config file read (a config is a few hundred bytes; ``/dev/zero`` is endless).
+MAX_CONFIG_BYTES = 1 << 20
 
 
 def _check_field_types(record: msgspec.Struct) -> None:
@@ -257,7 +261,8 @@ def _field_path(exc: msgspec.ValidationError) -> tuple[str, str | None]:
 def load_config(path: str | Path, type: type[T] = TieredKVConfig) -> T:  # type: ignore[assignment]
     """Load ``type`` from a ``.toml`` or ``.json`` file, naming the bad field on error."""
     try:
-        data = Path(path).read_bytes()
+        with Path(path).open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read: {exc.strerror}", source=str(path)) from exc
     config = _decode(data, _suffix(path), str(path), type)
@@ -271,7 +276,7 @@ async def load_config_async(path: str | Path, type: type[T] = TieredKVConfig) ->
     a slow or network filesystem never holds the loop."""
     try:
         async with aiofiles.open(path, "rb") as file:
-            data = await file.read()
+            data = await file.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read: {exc.strerror}", source=str(path)) from exc
     config = _decode(data, _suffix(path), str(path), type)
@@ -289,6 +294,8 @@ def _suffix(path: str | Path) -> str:
 
 
 def _decode(data: bytes, suffix: str, source: str, type: type[T]) -> T:
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"larger than {MAX_CONFIG_BYTES:,} bytes: not a config file", source=source)
     decode = msgspec.toml.decode if suffix == ".toml" else msgspec.json.decode
     try:
         config = decode(data.removeprefix(codecs.BOM_UTF8), type=type)  # an editor's byte-order mark

@@ -6,9 +6,11 @@ The drivers, found by name in :data:`tiered_kv.registry.TIERS`, do the inspectin
 (:class:`tiered_kv.inspection.InspectableTier`, :class:`~tiered_kv.inspection.InspectableRemote`);
 this module asks them and renders the answer for people: per nvme store its namespace and
 a table of its KV groups, then whatever is damaged; for a deployment, keys and bytes per
-namespace fingerprint and KV group. Exit status: 0; 1 when ``--verify`` found damage or
-the deployment could not be walked; 2 when ``DIR`` is not a directory holding a store, or
-``TARGET`` names no deployment.
+namespace fingerprint and KV group. What a store's files name (its directory, model,
+revision, the problems found) is printed with control characters escaped (``\\x1b``),
+so that a file below the root cannot write to the terminal or forge a report line. Exit
+status: 0; 1 when ``--verify`` found damage or the deployment could not be walked; 2 when
+``DIR`` is not a directory holding a store, or ``TARGET`` names no deployment.
 """
 
 from __future__ import annotations
@@ -160,12 +162,18 @@ def _render_store(store: StoreReport, verified: bool) -> str:
     headers = ["group", "kind", "layers", "kv heads", "head dim", "window", "slot bytes", "slots", "chunks"]
     headers += ["chunk bytes", "file bytes"] + (["verified"] if verified else [])
     table = Table(
-        title=f"store {store.directory}\n{_describe(store.namespace)}",
+        title=f"store {printable(str(store.directory))}\n{printable(_describe(store.namespace))}",
         headers=headers,
         rows=[_group_row(group, verified) for group in store.groups],
-        note="\n".join(_damage(store)),
+        note="\n".join(map(printable, _damage(store))),
     )
     return table.render()
+
+
+def printable(text: str) -> str:
+    """``text`` with each character that is not printable (a newline, an escape) written as
+    its Python escape, ``\\n`` or ``\\x1b``."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
 
 
 def _describe(namespace: Namespace | None) -> str:

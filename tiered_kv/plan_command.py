@@ -21,13 +21,13 @@ import msgspec
 
 from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.report import Progress, Table
-from tiered_kv.cli_errors import UsageError, output_file, positive_float, positive_int
+from tiered_kv.cli_errors import UsageError, output_file, positive_float, positive_int, positive_int_up_to
 from tiered_kv.errors import TieredKVError
 from tiered_kv.optimum import compulsory_bound
 from tiered_kv.planner import Plan, candidates, capacity_grid, make_plan
 from tiered_kv.registry import ADMISSION_FILTERS, POLICIES
 from tiered_kv.trace_file import MOONCAKE_BLOCK_TOKENS, FileTrace, parse_lines, read_trace, trace_lines
-from tiered_kv.traces import STANDARD_TRACES, standard_traces
+from tiered_kv.traces import MAX_CHUNK_TOKENS, STANDARD_TRACES, standard_traces
 
 #: Exit status when the trace cannot be read.
 EXIT_BAD_TRACE = 2
@@ -75,7 +75,7 @@ def add_plan_parser(subparsers: Any) -> None:
     source.add_argument("--synthetic", choices=STANDARD_TRACES, help="one of the bench's synthetic traces")
     parser.add_argument(
         "--trace-block-tokens",
-        type=positive_int,
+        type=positive_int_up_to(MAX_CHUNK_TOKENS),
         default=MOONCAKE_BLOCK_TOKENS,
         metavar="N",
         help=f"tokens per hash id in --trace (default {MOONCAKE_BLOCK_TOKENS})",
@@ -103,7 +103,12 @@ def add_plan_parser(subparsers: Any) -> None:
     parser.add_argument("--plot", type=output_file, metavar="PATH", help="also draw it as a PNG (needs matplotlib)")
     model = parser.add_argument_group("model shape")
     add_model_arguments(model, {"plan": DEFAULT_MODEL})
-    model.add_argument("--chunk-tokens", type=positive_int, default=256, help="tokens per offload chunk (default 256)")
+    model.add_argument(
+        "--chunk-tokens",
+        type=positive_int_up_to(MAX_CHUNK_TOKENS),
+        default=256,
+        help="tokens per offload chunk (default 256)",
+    )
     parser.set_defaults(handler=run_plan)
 
 

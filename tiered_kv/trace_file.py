@@ -14,8 +14,12 @@ per block, at the model's chunk size: blocks and chunks need not be the same siz
 only full chunks get keys, as only full chunks are stored.
 
 Requests are returned in arrival order (a stable sort; lines out of order are counted).
-A line that is not a request is skipped and reported with its line number; a file with
-no valid request is not a trace, and that is one :class:`~tiered_kv.errors.TraceFormatError`.
+A line that is not a request (JSON nested too deeply or a line longer than
+``MAX_LINE_BYTES`` included) is skipped and reported with its line number; a file with no
+valid request is not a trace, and that is one :class:`~tiered_kv.errors.TraceFormatError`,
+as is one larger than ``MAX_TRACE_BYTES`` (an endless stream such as ``/dev/zero``): the
+reader never holds more than one line that long in memory. A file is read once, from its
+start to its end, so a pipe reads like a regular file.
 Writing assigns each distinct chunk key a small integer id, so a trace carries hash ids
 only, never prompts.
 """
@@ -25,30 +29,37 @@ from __future__ import annotations
 import codecs
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Annotated, BinaryIO
+from typing import Annotated, BinaryIO, TypeVar
 
 import msgspec
 
 from tiered_kv.errors import ConfigError, TraceFormatError
 from tiered_kv.keys import ChunkKey
-from tiered_kv.traces import PromptKeys, TraceRequest
+from tiered_kv.traces import MAX_CHUNK_TOKENS, PromptKeys, TraceRequest
 
 #: Tokens per hash id in the published Mooncake traces.
 MOONCAKE_BLOCK_TOKENS = 512
+#: The longest line read, its newline included (a request of 100,000 blocks is some 700 KB).
+MAX_LINE_BYTES = 1 << 20
+#: The most of a file read as a trace.
+MAX_TRACE_BYTES = 1 << 30
 #: Bad lines quoted in :meth:`FileTrace.describe_bad_lines`; the rest are counted.
 QUOTED_BAD_LINES = 5
 
 _HashId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-_Milliseconds = Annotated[int, msgspec.Meta(ge=0)] | Annotated[float, msgspec.Meta(ge=0)]
+# An integer timestamp is kept exactly as a float (JSON has no infinite float).
+_Milliseconds = Annotated[int, msgspec.Meta(ge=0, le=2**53)] | Annotated[float, msgspec.Meta(ge=0)]
+
+T = TypeVar("T")
 
 
 class TraceLine(msgspec.Struct, kw_only=True):
     """One request as the format writes it (unknown fields are ignored)."""
 
     timestamp: _Milliseconds
-    input_length: Annotated[int, msgspec.Meta(ge=1)]
+    input_length: Annotated[int, msgspec.Meta(ge=1, le=2**53)]
     output_length: Annotated[int, msgspec.Meta(ge=0)] = 0
     hash_ids: list[_HashId]
 
@@ -81,12 +92,17 @@ class FileTrace(msgspec.Struct, frozen=True, kw_only=True):
         return f"{self.name}: skipped {len(self.bad_lines)} bad lines ({quoted}{f'; {more} more' if more > 0 else ''})"
 
 
+class TraceText(msgspec.Struct, frozen=True):
+    """A trace file's lines as read, before they are keyed (see :func:`read_trace_text`)."""
+
+    name: str
+    lines: list[bytes]
+
+
 def _problem(line: TraceLine, block_tokens: int) -> str | None:
-    """What is wrong with a line that decoded: a timestamp that is not finite, or hash ids
-    that do not cover its prompt in blocks of ``block_tokens``."""
-    if not math.isfinite(line.timestamp):
-        return f"timestamp {line.timestamp} is not a number of milliseconds"
-    needed = math.ceil(line.input_length / block_tokens)
+    """What is wrong with a line that decoded: hash ids that do not cover its prompt in
+    blocks of ``block_tokens``."""
+    needed = -(-line.input_length // block_tokens)
     if len(line.hash_ids) != needed:
         return (
             f"{len(line.hash_ids)} hash ids for input_length {line.input_length}, which needs {needed} "
@@ -100,8 +116,8 @@ def parse_lines(
 ) -> FileTrace:
     """Key the requests of ``lines`` (JSONL) at ``chunk_tokens`` tokens per chunk."""
     for field, value in (("block_tokens", block_tokens), ("chunk_tokens", chunk_tokens)):
-        if value <= 0:
-            raise ConfigError(f"must be positive, got {value}", field=field)
+        if not 0 < value <= MAX_CHUNK_TOKENS:
+            raise ConfigError(f"must be between 1 and {MAX_CHUNK_TOKENS:,}, got {value}", field=field)
     decoder = msgspec.json.Decoder(TraceLine)
     empty = PromptKeys.rooted("trace", b"", chunk_tokens)
     requests: list[tuple[float, TraceRequest]] = []
@@ -113,10 +129,16 @@ def parse_lines(
             raw = raw.removeprefix(codecs.BOM_UTF8)  # an editor's byte-order mark
         if not raw.strip():
             continue
+        if len(raw) > MAX_LINE_BYTES:
+            bad.append(BadLine(line=number, reason=f"longer than {MAX_LINE_BYTES:,} bytes"))
+            continue
         try:
             line = decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             bad.append(BadLine(line=number, reason=str(exc)))
+            continue
+        except RecursionError:
+            bad.append(BadLine(line=number, reason="JSON nested too deeply"))
             continue
         reason = _problem(line, block_tokens)
         if reason is not None:
@@ -147,42 +169,43 @@ def parse_lines(
     )
 
 
-def check_trace_file(path: Path, *, lines: int = 100) -> None:
-    """Raise :class:`TraceFormatError` (one line) unless ``path`` can be read and one of its
-    first ``lines`` non-blank lines is a request: a quick check before a long run."""
-    decoder = msgspec.json.Decoder(TraceLine)
-    first = "it has no lines"
+def bounded_lines(file: BinaryIO, name: str) -> Iterator[bytes]:
+    """The lines of ``file``, a line longer than ``MAX_LINE_BYTES`` cut just past that
+    length (:func:`parse_lines` reports it) and the rest of it skipped unkept; one
+    :class:`TraceFormatError` once more than ``MAX_TRACE_BYTES`` have been read."""
+    read = 0
+    while kept := file.readline(MAX_LINE_BYTES + 1):
+        line = kept
+        while True:
+            read += len(line)
+            if read > MAX_TRACE_BYTES:
+                raise TraceFormatError(f"{name} is not a trace: it is larger than {MAX_TRACE_BYTES >> 30} GiB")
+            if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+                break
+            line = file.readline(MAX_LINE_BYTES + 1)
+        yield kept
+
+
+def _read(path: Path, take: Callable[[Iterator[bytes]], T]) -> T:
+    """``take`` applied to the bounded lines of ``path``; a file that cannot be read is one
+    :class:`TraceFormatError`."""
     try:
         with path.open("rb") as file:
-            seen = 0
-            for number, raw in enumerate(file, start=1):
-                if number == 1:
-                    raw = raw.removeprefix(codecs.BOM_UTF8)
-                if not raw.strip():
-                    continue
-                try:
-                    decoder.decode(raw)
-                    return
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    if seen == 0:
-                        first = f"line {number}: {exc}"
-                seen += 1
-                if seen >= lines:
-                    break
+            return take(bounded_lines(file, path.name))
     except OSError as exc:
         raise TraceFormatError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
-    raise TraceFormatError(
-        f"{path.name} is not a Mooncake-format trace (JSON lines with timestamp, input_length and hash_ids): {first}"
-    )
+
+
+def read_trace_text(path: Path) -> TraceText:
+    """The lines of ``path``, read once (a pipe too), to key later with :func:`parse_lines`."""
+    return TraceText(name=path.name, lines=_read(path, list))
 
 
 def read_trace(path: Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS, chunk_tokens: int) -> FileTrace:
     """Read a Mooncake-format trace file; see :func:`parse_lines`."""
-    try:
-        with path.open("rb") as file:
-            return parse_lines(file, name=path.name, block_tokens=block_tokens, chunk_tokens=chunk_tokens)
-    except OSError as exc:
-        raise TraceFormatError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
+    return _read(
+        path, lambda lines: parse_lines(lines, name=path.name, block_tokens=block_tokens, chunk_tokens=chunk_tokens)
+    )
 
 
 class HashIds:

@@ -42,6 +42,9 @@ from tiered_kv.keys import KEY_BYTES, ChunkKey
 
 #: Tokens per chunk unless a generator is told otherwise.
 CHUNK_TOKENS = 256
+#: The most tokens a chunk (or a segment's piece of one) may have: far more than any
+#: engine's, and within what a key's pieces record.
+MAX_CHUNK_TOKENS = 1 << 20
 
 _PIECE = struct.Struct("<QII")
 
@@ -70,8 +73,8 @@ class PromptKeys:
     __slots__ = ("_pieces", "_room", "chunk_tokens", "keys", "tokens", "workload")
 
     def __init__(self, workload: str, root: bytes, chunk_tokens: int) -> None:
-        if chunk_tokens <= 0:
-            raise ConfigError(f"must be positive, got {chunk_tokens}", field="chunk_tokens")
+        if not 0 < chunk_tokens <= MAX_CHUNK_TOKENS:
+            raise ConfigError(f"must be between 1 and {MAX_CHUNK_TOKENS:,}, got {chunk_tokens}", field="chunk_tokens")
         self.workload = workload
         self.chunk_tokens = chunk_tokens
         self.keys: list[ChunkKey] = [root]  # the root is dropped by ``request``

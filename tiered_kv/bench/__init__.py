@@ -26,8 +26,9 @@ import msgspec
 
 from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.report import Progress, Table
-from tiered_kv.bench.trace_option import add_trace_arguments
+from tiered_kv.bench.trace_option import add_trace_arguments, bench_trace
 from tiered_kv.cli_errors import EXIT_FAILED, UsageError, output_file
+from tiered_kv.errors import TraceFormatError
 
 SCHEMA_VERSION = 1
 
@@ -131,6 +132,10 @@ def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]]
                 parser.error(f"{flag} is an option of {', '.join(readers)}, which this run does not include")
         for name in chosen & set(presets):  # a model that cannot be built fails now, not after other sections
             model_from_args(args, presets[name])
+        try:  # and so does a trace file that is not one
+            bench_trace(args)
+        except TraceFormatError as exc:
+            parser.error(f"argument --trace: {exc}")
         return run_bench(args, all_sections)
 
     parser.set_defaults(handler=handler)

@@ -256,7 +256,7 @@ class PoliciesSection:
         entries, repeats = args.policy_entries, args.policy_repeats
         steps = len(names) + 1
         progress.step(0, steps, "replaying traces")
-        trace = bench_trace(args, args.trace_chunk_tokens)
+        trace = bench_trace(args)
         traces = {trace.name: trace.requests} if trace else standard_traces(0, scale=args.policy_trace_scale)
         hit_rates = hit_rate_rows(traces, names, args.policy_capacities, args.policy_admit_k)
         keys = _make_keys(entries + max(args.policy_cycles * repeats, entries), seed=1)

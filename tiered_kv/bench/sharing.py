@@ -29,7 +29,14 @@ from collections.abc import Sequence
 from tiered_kv.bench.remote import remote_server
 from tiered_kv.bench.report import Table
 from tiered_kv.bench.schema import SharingFigures, SharingRun
-from tiered_kv.bench.workload import ENGINE_CHUNKS, STORE_BATCH, _keys_by_group, serve
+from tiered_kv.bench.workload import (
+    STORE_BATCH,
+    _keys_by_group,
+    block_table,
+    engine_caches,
+    require_accepted_loads,
+    serve,
+)
 from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, RemoteTierConfig, TieredKVConfig
 from tiered_kv.namespace import Namespace
 from tiered_kv.traces import TraceRequest, distinct_chunks
@@ -54,9 +61,7 @@ async def two_engine_figures(
 async def _serve(
     requests: Sequence[TraceRequest], namespace: Namespace, args: argparse.Namespace, url: str | None
 ) -> SharingRun:
-    # torch and the manager load when the section runs, not whenever the CLI starts.
-    import torch
-
+    # The manager loads when the section runs, not whenever the CLI starts.
     from tiered_kv.manager import TieredKV
 
     geometry = namespace.geometry
@@ -65,7 +70,6 @@ async def _serve(
     working_set = distinct_chunks(requests)
     cpu_chunks = max(STORE_BATCH, round(working_set * args.cpu_fraction))
     nvme_chunks = max(STORE_BATCH, round(working_set * args.nvme_fraction))
-    per_chunk = geometry.blocks_per_chunk
     route = random.Random(7)  # the same routing for both runs
     loaded: collections.Counter[str] = collections.Counter()
     load_s = 0.0
@@ -85,38 +89,24 @@ async def _serve(
             engines.append(kv)
         try:
             for kv in engines:
-                await kv.register(
-                    namespace,
-                    [
-                        [
-                            torch.zeros(
-                                ENGINE_CHUNKS * per_chunk,
-                                geometry.block_bytes(g) // geometry.groups[g].num_layers,
-                                dtype=torch.uint8,
-                            )
-                            for _ in range(geometry.groups[g].num_layers)
-                        ]
-                        for g in groups
-                    ],
-                )
+                await kv.register(namespace, engine_caches(geometry, requests))
             for i, request in enumerate(requests):
                 kv = engines[route.randrange(ENGINES)]
                 keys = _keys_by_group(list(request.keys), len(groups))
-                table = [
-                    (c % ENGINE_CHUNKS) * per_chunk + b for c in range(len(request.keys)) for b in range(per_chunk)
-                ]
                 looked_up += len(request.keys)
                 prompt_tokens += request.prompt_tokens
                 kv.lookup(namespace, keys)
                 await kv.drain()  # the probe answers; earlier requests' writes have landed
                 hit = kv.lookup(namespace, keys)
-                tokens, loading_s = await serve(kv, namespace, str(i), keys, table, hit)
+                tokens, loading_s = await serve(kv, namespace, str(i), keys, block_table(geometry, request), hit)
                 load_s += loading_s
                 tokens_cached += tokens
                 chunks_loaded += tokens // geometry.chunk_size
             for kv in engines:
                 await kv.drain()
-                loaded.update(kv.statistics().loaded_chunks)
+                stats = kv.statistics()
+                require_accepted_loads(stats)
+                loaded.update(stats.loaded_chunks)
         finally:
             for kv in engines:
                 await kv.close()

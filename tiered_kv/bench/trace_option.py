@@ -1,7 +1,12 @@
 """``--trace FILE``, ``--trace-block-tokens N`` and ``--trace-chunk-tokens N``: the bench sections that replay traces
 (``workload``, ``policies``) replay a Mooncake-format file instead of their synthetic
 traces. The bench adds the options once, for every section with ``reads_trace = True``,
-so a bare ``tiered-kv bench --trace FILE`` gives the file to both."""
+so a bare ``tiered-kv bench --trace FILE`` gives the file to both.
+
+The file is read once, when the option is parsed (so a pipe works), and keyed once,
+before any section runs (:func:`bench_trace`): a file that is not a trace in blocks of
+``--trace-block-tokens`` stops the bench before it starts, and its bad lines are
+reported once."""
 
 from __future__ import annotations
 
@@ -9,20 +14,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from tiered_kv.cli_errors import positive_int
+from tiered_kv.cli_errors import positive_int_up_to
 from tiered_kv.errors import TraceFormatError
-from tiered_kv.trace_file import MOONCAKE_BLOCK_TOKENS, FileTrace, check_trace_file, read_trace
-from tiered_kv.traces import CHUNK_TOKENS
+from tiered_kv.trace_file import MOONCAKE_BLOCK_TOKENS, FileTrace, TraceText, parse_lines, read_trace_text
+from tiered_kv.traces import CHUNK_TOKENS, MAX_CHUNK_TOKENS
 
 
-def _trace_file(text: str) -> Path:
-    """``--trace``: a file that can be read and looks like a trace, else one line and exit 2."""
-    path = Path(text)
+def _trace_file(text: str) -> TraceText:
+    """``--trace``: the lines of a file that can be read, else one line and exit 2."""
     try:
-        check_trace_file(path)
+        return read_trace_text(Path(text))
     except TraceFormatError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return path
 
 
 def add_trace_arguments(parser: argparse._ArgumentGroup) -> None:
@@ -34,27 +37,33 @@ def add_trace_arguments(parser: argparse._ArgumentGroup) -> None:
     )
     parser.add_argument(
         "--trace-block-tokens",
-        type=positive_int,
+        type=positive_int_up_to(MAX_CHUNK_TOKENS),
         default=MOONCAKE_BLOCK_TOKENS,
         metavar="N",
         help=f"tokens per hash id in --trace (default {MOONCAKE_BLOCK_TOKENS}); mapped onto --trace-chunk-tokens",
     )
     parser.add_argument(
         "--trace-chunk-tokens",
-        type=positive_int,
+        type=positive_int_up_to(MAX_CHUNK_TOKENS),
         default=CHUNK_TOKENS,
         metavar="N",
         help=f"tokens per offload chunk when replaying --trace (default {CHUNK_TOKENS}, the synthetic traces')",
     )
 
 
-def bench_trace(args: argparse.Namespace, chunk_tokens: int) -> FileTrace | None:
-    """The ``--trace`` file keyed at ``chunk_tokens``, or ``None`` without one; bad lines
-    are reported on stderr."""
-    path: Path | None = getattr(args, "trace", None)
-    if path is None:
+def bench_trace(args: argparse.Namespace) -> FileTrace | None:
+    """The ``--trace`` file keyed at ``--trace-chunk-tokens``, or ``None`` without one.
+
+    The first call keys it (bad lines are reported on stderr; :class:`TraceFormatError`
+    if it holds no request) and every later one, each section's, gets that trace."""
+    text: TraceText | None = getattr(args, "trace", None)
+    if text is None:
         return None
-    trace = read_trace(path, block_tokens=args.trace_block_tokens, chunk_tokens=chunk_tokens)
-    if trace.bad_lines:
-        print(trace.describe_bad_lines(), file=sys.stderr)
-    return trace
+    keyed: FileTrace | None = getattr(args, "keyed_trace", None)
+    if keyed is None:
+        keyed = args.keyed_trace = parse_lines(
+            text.lines, name=text.name, block_tokens=args.trace_block_tokens, chunk_tokens=args.trace_chunk_tokens
+        )
+        if keyed.bad_lines:
+            print(keyed.describe_bad_lines(), file=sys.stderr)
+    return keyed

@@ -2,9 +2,11 @@
 
 Each trace (multi-turn chat, RAG over a Zipf-popular document set, chat and RAG polluted
 by long one-off scans) is served request by request, as an engine would: look up the
-prompt's chunks, load the hits into GPU blocks (the CPU stand-in of the gpu tier here),
-then store the prompt's chunks in batches as prefill would produce them, and finish the
-request. Real drivers move real bytes: a pinned-memory cpu tier and an nvme tier in a
+prompt's chunks, load the hits into GPU blocks (the CPU stand-in of the gpu tier here,
+with blocks for the trace's longest prompt), then store the prompt's chunks in batches
+as prefill would produce them, and finish the request. A load the manager rejects for
+the engine's fault fails the section. Real drivers move real bytes: a pinned-memory cpu
+tier and an nvme tier in a
 temporary directory (or ``--nvme-dir``).
 
 Time to first token is modelled: recomputing ``t`` tokens costs
@@ -46,13 +48,21 @@ from tiered_kv.spans import window_span
 from tiered_kv.traces import CHUNK_TOKENS, TraceRequest, distinct_chunks, standard_traces
 
 if TYPE_CHECKING:  # the manager (and torch) load when a section runs
+    import torch
+
     from tiered_kv.manager import TieredKV
+    from tiered_kv.stats import Statistics
 
 TRACES = ("chat", "rag", "scan_polluted")
 #: Chunks a request stores per call, as prefill produces them.
 STORE_BATCH = 16
-#: GPU blocks the stand-in engine owns, in chunks; block tables wrap around them.
-ENGINE_CHUNKS = 32
+#: Loads the manager rejects for the engine's own fault (a block table or a window span
+#: out of bounds): a replay that saw one measured nothing, so it fails.
+ENGINE_FAULTS = ("block_table", "span")
+
+
+class RejectedLoads(RuntimeError):
+    """The manager rejected loads of the bench's stand-in engine: the figures would be wrong."""
 
 
 class WorkloadSection:
@@ -87,7 +97,7 @@ class WorkloadSection:
         chunk_tokens = CHUNK_TOKENS if args.trace is None else args.trace_chunk_tokens
         namespace = model_from_args(args, self.model).namespace(chunk_tokens)
         geometry = namespace.geometry
-        trace = bench_trace(args, geometry.chunk_size)
+        trace = bench_trace(args)
         if trace is not None:
             traces = {trace.name: trace.requests[: args.workload_requests]}
             arrivals = trace.has_arrivals
@@ -145,6 +155,37 @@ class WorkloadSection:
         return SectionResult(payload=figures, tables=[table, sharing_table(sharing)])
 
 
+def engine_caches(geometry: KVGeometry, requests: Sequence[TraceRequest]) -> list[list[torch.Tensor]]:
+    """The stand-in engine's paged cache, one tensor per layer and group, with blocks for
+    the longest prompt of ``requests``: like a real engine, it holds a request's whole
+    prompt at once, so a load of every hit chunk names each block once. The bench only
+    moves its bytes."""
+    import torch
+
+    blocks = max((len(request.keys) for request in requests), default=0) * geometry.blocks_per_chunk
+    return [
+        [
+            torch.zeros(max(blocks, 1), geometry.block_bytes(g) // group.num_layers, dtype=torch.uint8)
+            for _ in range(group.num_layers)
+        ]
+        for g, group in enumerate(geometry.groups)
+    ]
+
+
+def block_table(geometry: KVGeometry, request: TraceRequest) -> list[int]:
+    """The engine blocks of ``request``'s full chunks: the first of its cache, in order (one
+    request at a time has the engine)."""
+    return list(range(len(request.keys) * geometry.blocks_per_chunk))
+
+
+def require_accepted_loads(stats: Statistics) -> None:
+    """Raise :class:`RejectedLoads` if the manager rejected any load for the engine's fault."""
+    faults = {reason: stats.loads_rejected[reason] for reason in ENGINE_FAULTS if stats.loads_rejected.get(reason)}
+    if faults:
+        counts = ", ".join(f"{count} for {reason}" for reason, count in faults.items())
+        raise RejectedLoads(f"the manager rejected loads of the bench's engine ({counts}); its figures would be wrong")
+
+
 async def serve(
     kv: TieredKV, namespace: Namespace, request_id: str, keys: list[list[ChunkKey]], table: list[int], hit: int
 ) -> tuple[int, float]:
@@ -194,9 +235,7 @@ def mean_ttft_s(services: Sequence[float], arrivals: Sequence[float] | None) -> 
 async def _replay(
     name: str, requests: list[TraceRequest], namespace: Namespace, args: argparse.Namespace, arrivals: bool
 ) -> WorkloadTrace:
-    # torch and the manager load when the section runs, not whenever the CLI starts.
-    import torch
-
+    # The manager loads when the section runs, not whenever the CLI starts.
     from tiered_kv.manager import TieredKV
 
     geometry = namespace.geometry
@@ -205,16 +244,6 @@ async def _replay(
     working_set = distinct_chunks(requests)
     cpu_chunks = max(STORE_BATCH, round(working_set * args.cpu_fraction))
     nvme_chunks = max(STORE_BATCH, round(working_set * args.nvme_fraction))
-    per_chunk = geometry.blocks_per_chunk
-    engine_blocks = ENGINE_CHUNKS * per_chunk
-    # The engine's paged cache, one tensor per layer and group; the bench only moves its bytes.
-    kv_caches = [
-        [
-            torch.zeros(engine_blocks, geometry.block_bytes(g) // geometry.groups[g].num_layers, dtype=torch.uint8)
-            for _ in range(geometry.groups[g].num_layers)
-        ]
-        for g in groups
-    ]
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as root:
         config = TieredKVConfig(
             cpu=CpuTierConfig(capacity_bytes=cpu_chunks * chunk_bytes),
@@ -226,21 +255,19 @@ async def _replay(
         speed = args.prefill_tokens_per_s
         cached_services: list[float] = []  # per request: its loads + recomputing what missed
         async with TieredKV(config) as kv:
-            await kv.register(namespace, kv_caches)
+            await kv.register(namespace, engine_caches(geometry, requests))
             for i, request in enumerate(requests):
                 keys = _keys_by_group(list(request.keys), len(groups))
-                table = [
-                    (c % ENGINE_CHUNKS) * per_chunk + b for c in range(len(request.keys)) for b in range(per_chunk)
-                ]
                 lookups += len(request.keys)
                 prompt_tokens += request.prompt_tokens
                 hit = kv.lookup(namespace, keys)
-                loaded, loading_s = await serve(kv, namespace, str(i), keys, table, hit)
+                loaded, loading_s = await serve(kv, namespace, str(i), keys, block_table(geometry, request), hit)
                 load_s += loading_s
                 tokens_cached += loaded
                 cached_services.append(loading_s + (request.prompt_tokens - loaded) / speed)
             await kv.drain()
             stats = kv.statistics()
+    require_accepted_loads(stats)
     first_ms = (requests[0].arrival_ms or 0.0) if requests else 0.0
     arrived = [((r.arrival_ms or 0.0) - first_ms) / 1e3 for r in requests] if arrivals else None
     recompute_s = mean_ttft_s([r.prompt_tokens / speed for r in requests], arrived)
