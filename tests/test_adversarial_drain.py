@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import make_namespace
 from test_manager_data import engine_cache
+from test_manager_soak import deadline
 
 from tiered_kv import CpuTierConfig, NvmeTierConfig, TieredKV, TieredKVConfig, chunk_keys
 
@@ -127,14 +128,3 @@ async def test_loads_stores_and_drains_under_random_deadlines_leave_nothing_behi
         assert stats.tiers[0].pinned_chunks == 0 and stats.queue_depths["promotion_claims"] == 0
         for keys in stored:  # written through to nvme, whatever the drains' deadlines did
             assert kv.lookup(NS, [keys]) == 1
-
-
-async def deadline(rng: random.Random, coro):  # type: ignore[no-untyped-def]
-    """``coro`` under a deadline of up to 1 ms, or none (a third of the time); ``None`` if it ran out."""
-    if rng.random() < 1 / 3:
-        return await coro
-    try:
-        async with asyncio.timeout(rng.uniform(0, 0.001)):
-            return await coro
-    except TimeoutError:
-        return None
