@@ -150,7 +150,6 @@ class _StoreJob:
         self.namespace = namespace
         self.rank = namespace.tp_rank
         self.request_id = request_id
-        self.started = False
         #: Resolved once no copy of this job reads GPU blocks any more (done, failed or cancelled).
         self.gpu_released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -973,7 +972,6 @@ class TieredKV:
             return StoreResult(submitted=submitted, skipped=plan.skipped)
 
     async def _run_store(self, job: _StoreJob) -> None:
-        job.started = True
         group = job.group
         pool = group.pool
         drivers = self._drivers[pool.id]
@@ -1004,11 +1002,8 @@ class TieredKV:
             self._write_behind(pool, write_through, job.namespace)
 
     def _store_finished(self, job: _StoreJob) -> None:
-        """Whatever became of a store's task, give back what its job holds. A task
-        cancelled before its first step never ran ``_run_store``'s clean-up."""
-        if not job.started:
-            self._control.complete_store(job.group, ok=False)
-            job.gpu_released.set_result(None)
+        """Whatever became of a store's copy, give back what its job holds. Its first step
+        ran inside ``store`` (:meth:`Scheduler.start`), so ``_run_store``'s clean-up did too."""
         jobs = self._jobs[job.request_id]
         jobs.discard(job)
         if not jobs:
