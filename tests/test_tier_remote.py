@@ -446,6 +446,16 @@ async def test_a_missing_password_source_is_a_config_error(monkeypatch: pytest.M
         {"url": "http://user:pw@a:1/0"},
         {"url": "redis://a:1/0"},
         {"cluster_nodes": ["nohost"]},
+        {"url": "redis://h:99999"},
+        {"url": "redis://h:0"},
+        {"url": "redis://[::1"},
+        {"url": "redis://[::1]x"},
+        {"url": "redis://"},
+        {"url": "redis://h:"},
+        {"url": "redis://h:６３７９"},
+        {"cluster_nodes": ["a:1", "b:65536"]},
+        {"cluster_nodes": ["[::1:2"]},
+        {"cluster_nodes": ["[::1]"]},
         {"url": "redis://a:1", "prefix": ""},
         {"url": "redis://a:1", "io_depth": 0},
         {"url": "redis://a:1", "timeout_s": 0},
@@ -464,6 +474,8 @@ def test_a_remote_config_gives_its_addresses() -> None:
     assert RemoteTierConfig(url="rediss://cache").addresses() == [("cache", 6379)]
     assert RemoteTierConfig(url="rediss://cache").uses_tls
     assert RemoteTierConfig(cluster_nodes=["a:1", "[::1]:2"]).addresses() == [("a", 1), ("::1", 2)]
+    assert RemoteTierConfig(url="redis://[::1]").addresses() == [("::1", 6379)]
+    assert RemoteTierConfig(url="redis://[fe80::1]:65535").addresses() == [("fe80::1", 65535)]
 
 
 # -- TLS ----------------------------------------------------------------------------------------

@@ -143,11 +143,10 @@ class RemoteTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                     "must hold no credentials: use username and password_env or password_file", field="url"
                 )
             scheme, sep, rest = self.url.partition("://")
-            if not sep or scheme not in ("redis", "rediss") or not rest or "/" in rest:
+            if not sep or scheme not in ("redis", "rediss") or "/" in rest or _host_port(rest, 6379) is None:
                 raise ConfigError(f"expected redis://host:port or rediss://host:port, got {self.url!r}", field="url")
         for node in self.cluster_nodes:
-            host, _, port = node.rpartition(":")
-            if not host or not port.isdigit():
+            if _host_port(node, None) is None:
                 raise ConfigError(f"expected host:port, got {node!r}", field="cluster_nodes")
         if not self.prefix or any(c in self.prefix for c in " \r\n"):
             raise ConfigError("must be non-empty, without spaces or line breaks", field="prefix")
@@ -167,11 +166,33 @@ class RemoteTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     def addresses(self) -> list[tuple[str, int]]:
         """``(host, port)`` of the server, or of the cluster nodes given."""
         if self.url is not None:
-            hostport = self.url.partition("://")[2]
-            host, sep, port = hostport.rpartition(":")
-            return [(host.strip("[]"), int(port))] if sep and port.isdigit() else [(hostport.strip("[]"), 6379)]
-        nodes = (node.rpartition(":") for node in self.cluster_nodes)
-        return [(host.strip("[]"), int(port)) for host, _, port in nodes]
+            given = [_host_port(self.url.partition("://")[2], 6379)]
+        else:
+            given = [_host_port(node, None) for node in self.cluster_nodes]
+        addresses = [address for address in given if address is not None]
+        assert len(addresses) == len(given), "checked when the config was made"
+        return addresses
+
+
+def _host_port(text: str, default_port: int | None) -> tuple[str, int] | None:
+    """``host:port``, ``[v6 address]:port`` or, where ``default_port`` is given, the host
+    alone, as ``(host, port)``; ``None`` when ``text`` is none of these or the port is not
+    1 to 65535."""
+    if text.startswith("["):
+        host, closed, after = text[1:].partition("]")
+        if not closed or (after and not after.startswith(":")):
+            return None
+        port = after[1:] if after else None
+    else:
+        host, sep, port_or_host = text.rpartition(":")
+        host, port = (host, port_or_host) if sep else (port_or_host, None)
+    if not host:
+        return None
+    if port is None:
+        return None if default_port is None else (host, default_port)
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
 
 
 class NamespacePolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
