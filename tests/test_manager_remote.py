@@ -635,3 +635,73 @@ async def test_random_traffic_of_two_engines_through_one_server_serves_only_exac
         for engine in engines:
             await engine.kv.drain()
             engine.kv.check_invariants()
+
+
+async def test_a_store_cancelled_while_it_spills_to_nvme_and_the_remote_tier_waits_for_both(
+    valkey: ValkeyServer,
+) -> None:
+    """Regression: a write-back store spills its victims to nvme and the remote tier at
+    once. Cancelled meanwhile (``close(drain=False)``), the store went on as soon as the
+    remote spill had unwound, freeing the victims' cpu slots and letting ``close`` shut
+    the nvme driver while the nvme spill still read them in its thread."""
+    import threading
+
+    from tiered_kv.manager import RegistryTiers
+    from tiered_kv.null import NullTier, NullTiers
+    from tiered_kv.tiers._driver import settle
+
+    events: list[str] = []
+    release = threading.Event()
+
+    class HeldNvme(NullTier):
+        held = False
+
+        async def write(self, ops):  # type: ignore[no-untyped-def]
+            if self.held:
+                events.append("write begins")
+                try:  # a write in a thread, which nothing interrupts
+                    await settle(asyncio.get_running_loop().run_in_executor(None, release.wait, 10))
+                finally:
+                    events.append("write ends")
+            await super().write(ops)
+
+        async def close(self) -> None:
+            events.append("nvme closed")
+            await super().close()
+
+    class Tiers(NullTiers):
+        registry = RegistryTiers()
+
+        async def remote(self, *args):  # type: ignore[no-untyped-def]
+            return await self.registry.remote(*args)
+
+        async def nvme(self, namespace, group, slot_bytes, num_slots, config):  # type: ignore[no-untyped-def]
+            tier = HeldNvme("nvme", slot_bytes, num_slots)
+            self.made["nvme"].append(tier)
+            return tier
+
+    ns = make_namespace()
+    chunk, per_chunk = ns.geometry.chunk_bytes(), ns.geometry.blocks_per_chunk
+    tiers = Tiers()
+    config = TieredKVConfig(
+        cpu=CpuTierConfig(capacity_bytes=chunk * 2),
+        nvme=NvmeTierConfig(root="/unused", capacity_bytes=chunk * 32),
+        remote=remote_config(valkey),
+        default_policy=NamespacePolicyConfig(write_policy=WritePolicy.WRITE_BACK),
+    )
+    kv = TieredKV(config, tiers=tiers)
+    await kv.register(ns, [[torch.zeros(64, 1)]])
+    await kv.store(
+        ns, request_id="a", keys=[chunk_keys(ns, list(range(2 * 16)))], block_ids=[list(range(2 * per_chunk))]
+    )
+    await kv.drain()
+    tiers.made["nvme"][0].held = True
+    second = chunk_keys(ns, list(range(50_000, 50_000 + 2 * 16)))  # evicts the first two: they spill
+    await kv.store(ns, request_id="b", keys=[second], block_ids=[list(range(2 * per_chunk, 4 * per_chunk))])
+    closing = asyncio.ensure_future(kv.close(drain=False))
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+    assert events == ["write begins"], "nothing may close while the spill still reads the cpu slots"
+    release.set()
+    await closing
+    assert events == ["write begins", "write ends", "nvme closed"]

@@ -363,6 +363,35 @@ async def test_a_job_cancelled_before_its_task_ran_unwinds_where_it_waits() -> N
     assert waited.cancelled() and scheduler.fatal is None and scheduler.background == 0
 
 
+async def test_a_job_cancelled_before_its_task_ran_hears_it_once_what_it_waits_for_has_unwound() -> None:
+    """Regression: what the job waits for is cancelled, and the job hears the
+    cancellation once that is done, as in a task: a task (or a gather) it waits on may
+    take turns to unwind, and the job's clean-up must not run before."""
+    scheduler = Scheduler()
+    seen: list[str] = []
+
+    async def inner() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0)
+            seen.append("inner unwound")
+            raise
+
+    async def job() -> None:
+        task = asyncio.ensure_future(inner())
+        try:
+            await task
+        except asyncio.CancelledError:
+            seen.append(f"job cancelled, inner done: {task.done()}")
+            raise
+
+    scheduler.start(job(), name="job", done=lambda: seen.append("done"))
+    await scheduler.close()
+    await settle()
+    assert seen == ["inner unwound", "job cancelled, inner done: True", "done"]
+
+
 async def test_what_escapes_a_first_step_is_kept_as_fatal_not_raised_to_the_caller() -> None:
     scheduler = Scheduler()
     seen: list[str] = []
@@ -460,7 +489,7 @@ async def test_started_jobs_under_random_waits_failures_and_cancellations(seed: 
     rng = random.Random(seed)
     loop = asyncio.get_running_loop()
     programs = [
-        [rng.choice(["wait", "wait", "never", "yield", "raise"]) for _ in range(rng.randint(0, 4))]
+        [rng.choice(["wait", "wait", "never", "task", "yield", "raise"]) for _ in range(rng.randint(0, 4))]
         for _ in range(rng.randint(1, 4))
     ]
     cancel_after = rng.choice([None, 0, 1, 2, 5])
@@ -473,6 +502,7 @@ async def test_started_jobs_under_random_waits_failures_and_cancellations(seed: 
 
         async def job(j: int, program: list[str]) -> None:
             trace = traces[j]
+            children: list[asyncio.Task[int]] = []
             try:
                 for i, op in enumerate(program):
                     if op in ("wait", "never"):
@@ -483,6 +513,10 @@ async def test_started_jobs_under_random_waits_failures_and_cancellations(seed: 
                         if op == "never" and cancel_after is None:
                             future.set_result(-1)
                         trace.append(f"got {await future}")
+                    elif op == "task":  # a task that takes a turn to unwind when cancelled
+                        child = asyncio.ensure_future(unwinding(i))
+                        children.append(child)
+                        trace.append(f"got {await child}")
                     elif op == "yield":
                         await asyncio.sleep(0)
                         trace.append("yielded")
@@ -492,7 +526,16 @@ async def test_started_jobs_under_random_waits_failures_and_cancellations(seed: 
                 trace.append("cancelled")
                 raise
             finally:
+                assert all(child.done() for child in children), "clean-up before what the job awaited unwound"
                 trace.append("clean-up")
+
+        async def unwinding(value: int) -> int:
+            try:
+                await asyncio.sleep(0.001 * rng.random())
+            except asyncio.CancelledError:
+                await asyncio.sleep(0)
+                raise
+            return value
 
         def finished(j: int) -> None:
             assert traces[j][-1] == "clean-up"

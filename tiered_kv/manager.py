@@ -1097,7 +1097,18 @@ class TieredKV:
             await self._spill_to_nvme(pool, evicted)
             return
         # Each plans when it starts: one cancelled before its first step leaves no plan.
-        await asyncio.gather(self._spill_to_nvme(pool, evicted), self._spill_to_remote(pool, evicted))
+        spills = [
+            asyncio.ensure_future(self._spill_to_nvme(pool, evicted)),
+            asyncio.ensure_future(self._spill_to_remote(pool, evicted)),
+        ]
+        try:
+            await asyncio.gather(*spills)
+        finally:
+            # Both read the victims' cpu slots, which this store's copy overwrites next:
+            # neither is left running when the other fails or this store is cancelled.
+            for spill in spills:
+                spill.cancel()
+            await wait_out(spills)
 
     async def _spill_to_nvme(self, pool: Pool, evicted: list[Victim]) -> None:
         write = self._control.plan_spill(pool, evicted)

@@ -310,9 +310,11 @@ async def wait_out(futures: Iterable[asyncio.Future[Any]]) -> bool:
 class _Started(Coroutine[Any, Any, Any]):
     """A coroutine whose first step has run (:meth:`Scheduler.start`), for a task to go on
     with: the task's first step waits for what that step waits for, and every later one
-    is the coroutine's own. A cancellation before the task's first step reaches the
-    coroutine where it waits, with the future it waits for cancelled, as it would in a
-    task that had run it from the start."""
+    is the coroutine's own. A cancellation before the task's first step is what it is to
+    a task that had run the coroutine from the start: the future it waits for is
+    cancelled, and the coroutine sees the cancellation once that future is done (a
+    gather's, once its children have unwound), where it waits; a future already done
+    gets the cancellation thrown in at once."""
 
     def __init__(self, coro: Coroutine[Any, Any, Any], waiting: Any) -> None:
         self._coro = coro
@@ -332,8 +334,8 @@ class _Started(Coroutine[Any, Any, Any]):
         if self._first:
             self._first = False
             waiting, self._waiting = self._waiting, None
-            if waiting is not None:
-                waiting.cancel()
+            if waiting is not None and waiting.cancel():
+                return waiting  # the task waits for it, then sends: the coroutine reads the cancellation
         return self._coro.throw(exc, *rest)
 
     def close(self) -> None:
