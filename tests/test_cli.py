@@ -280,10 +280,31 @@ def test_plot_draws_a_png_of_the_tiers_and_workload(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_plot_of_sections_it_cannot_draw_is_a_failed_step(tmp_path: Path) -> None:
+def test_plot_of_sections_it_cannot_draw_is_a_usage_error_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: ``bench policies --plot x.png`` ran the sections, then exited 1."""
     out = tmp_path / "bench.json"
-    assert main(["bench", "keys", "--key-tokens", "256", "--plot", str(tmp_path / "x.png"), "--json", str(out)]) == 1
-    assert json.loads(out.read_text())["errors"][0]["section"] == "plot"
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "keys", "policies", "--plot", str(tmp_path / "x.png"), "--json", str(out)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--plot draws the tiers and workload sections, which this run does not" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [["plan", "--synthetic", "chat"], ["bench", "workload"]], ids=" ".join)
+@pytest.mark.parametrize("name", ["plot.xyz", "plot.png.pdf"])
+def test_a_plot_path_that_is_not_a_png_is_a_usage_error_before_anything_runs(
+    command: list[str], name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: ``--plot r9.xyz`` failed only after the whole run, with exit 1."""
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--plot", str(tmp_path / name)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --plot" in err and "a plot is a PNG" in err
+    assert not any(tmp_path.iterdir())
 
 
 #: A hybrid model like gemma-swa (full attention beside a 1024-token window), small enough

@@ -85,3 +85,11 @@ def test_options_of_a_synthetic_trace_given_with_a_trace_file_are_refused(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and option[0] in err and "--synthetic" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
+def test_a_plot_path_without_a_suffix_is_the_file_written(tmp_path: Path) -> None:
+    """Regression: ``--plot PATH`` wrote ``PATH.png`` and left PATH unwritten."""
+    pytest.importorskip("matplotlib")
+    assert main(["plan", "--synthetic", "rag", *SMALL, "--plot", str(tmp_path / "plot")]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["plot"]
+    assert (tmp_path / "plot").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

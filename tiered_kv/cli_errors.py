@@ -41,6 +41,15 @@ def output_file(text: str) -> Path:
     return path
 
 
+def png_file(text: str) -> Path:
+    """The path of a ``--plot`` PNG: an :func:`output_file` whose suffix, if any, is
+    ``.png`` (a plot is written as a PNG under the name given, whatever it is)."""
+    path = output_file(text)
+    if path.suffix and path.suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(f"{text}: a plot is a PNG; name it .png (or give no suffix)")
+    return path
+
+
 def positive_int(text: str) -> int:
     """A count or size option: a whole number above zero."""
     return _positive(text, int, "a whole number")

@@ -21,7 +21,7 @@ import msgspec
 
 from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.report import Progress, Table
-from tiered_kv.cli_errors import UsageError, output_file, positive_float, positive_int, positive_int_up_to
+from tiered_kv.cli_errors import UsageError, output_file, png_file, positive_float, positive_int, positive_int_up_to
 from tiered_kv.errors import TieredKVError
 from tiered_kv.optimum import compulsory_bound
 from tiered_kv.planner import Plan, candidates, capacity_grid, make_plan
@@ -100,7 +100,7 @@ def add_plan_parser(subparsers: Any) -> None:
         help=f"the cpu tier's (default {DEFAULT_CPU_SHARE * 100:.0f}%% of that)",
     )
     parser.add_argument("--json", type=output_file, metavar="PATH", help="also write the plan as JSON")
-    parser.add_argument("--plot", type=output_file, metavar="PATH", help="also draw it as a PNG (needs matplotlib)")
+    parser.add_argument("--plot", type=png_file, metavar="PATH", help="also draw it as a PNG (needs matplotlib)")
     model = parser.add_argument_group("model shape")
     add_model_arguments(model, {"plan": DEFAULT_MODEL})
     model.add_argument(

@@ -39,5 +39,5 @@ def write_plan_plot(plan: Plan, path: Path) -> None:
     ax.legend(fontsize=7, ncol=2, loc="lower right")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=90)
+    figure.savefig(path, dpi=90, format="png")
     plt.close(figure)

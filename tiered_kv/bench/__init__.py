@@ -25,9 +25,10 @@ from typing import Any, Protocol
 import msgspec
 
 from tiered_kv.bench.models import add_model_arguments, model_from_args
+from tiered_kv.bench.plot import PLOTTED
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.trace_option import add_trace_arguments, bench_trace
-from tiered_kv.cli_errors import EXIT_FAILED, UsageError, output_file
+from tiered_kv.cli_errors import EXIT_FAILED, UsageError, output_file, png_file
 from tiered_kv.errors import TraceFormatError
 
 SCHEMA_VERSION = 1
@@ -91,7 +92,7 @@ def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]]
     parser.add_argument("--json", type=output_file, metavar="PATH", help="also write the results as JSON")
     parser.add_argument(
         "--plot",
-        type=output_file,
+        type=png_file,
         metavar="PATH",
         help="also draw tier ratios and hit rates as a PNG (needs matplotlib)",
     )
@@ -127,6 +128,8 @@ def add_bench_parser(subparsers: Any, sections: Callable[[], list[BenchSection]]
         if unknown:
             parser.error(f"invalid choice: {unknown[0]!r} (choose from {', '.join(known)})")
         chosen = set(args.sections or known)
+        if args.plot and not chosen & set(PLOTTED):
+            parser.error(f"--plot draws the {' and '.join(PLOTTED)} sections, which this run does not include")
         for dest, (flag, default, readers) in scope.items():
             if getattr(args, dest) != default and not chosen & set(readers):
                 parser.error(f"{flag} is an option of {', '.join(readers)}, which this run does not include")

@@ -4,8 +4,13 @@ the ``plot`` extra)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tiered_kv.bench.schema import BenchDocument
+if TYPE_CHECKING:  # the bench package imports this module for PLOTTED: no schema import cycle
+    from tiered_kv.bench.schema import BenchDocument
+
+#: The sections the plot draws, one panel each.
+PLOTTED = ("tiers", "workload")
 
 
 def write_plot(document: BenchDocument, path: Path) -> None:
@@ -17,9 +22,9 @@ def write_plot(document: BenchDocument, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError("--plot needs matplotlib: pip install 'tiered-kv[plot]'") from exc
-    panels = [name for name in ("tiers", "workload") if getattr(document, name)]
+    panels = [name for name in PLOTTED if getattr(document, name)]
     if not panels:
-        raise RuntimeError("--plot draws the tiers and workload sections; neither was run")
+        raise RuntimeError(f"--plot draws the {' and '.join(PLOTTED)} sections; none of them ran")
     figure, axes = plt.subplots(len(panels), 1, figsize=(11, 4.5 * len(panels)), squeeze=False)
     for ax, panel in zip(axes[:, 0], panels, strict=True):
         if panel == "tiers" and document.tiers:
@@ -48,5 +53,5 @@ def write_plot(document: BenchDocument, path: Path) -> None:
             ax.legend()
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, format="png")
     plt.close(figure)
