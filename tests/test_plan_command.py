@@ -93,3 +93,22 @@ def test_a_plot_path_without_a_suffix_is_the_file_written(tmp_path: Path) -> Non
     assert main(["plan", "--synthetic", "rag", *SMALL, "--plot", str(tmp_path / "plot")]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["plot"]
     assert (tmp_path / "plot").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--synthetic", "chat", "--policies", "lru,nosuch"], "no policy is registered as nosuch"),
+        (["plan", "--synthetic", "chat", "--policies", ","], "names no policy"),
+        (["bench", "policies", "--policy-names", "nosuch"], "no policy is registered as nosuch"),
+    ],
+)
+def test_an_unknown_or_empty_policy_list_is_a_usage_error_before_anything_runs(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Regression: unknown names failed late (exit 1) and "," meant every policy.
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

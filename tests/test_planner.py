@@ -35,6 +35,12 @@ def test_the_grid_runs_geometrically_from_the_smallest_capacity_to_the_working_s
         capacity_grid(0)
 
 
+def test_a_grid_asked_for_more_points_than_capacities_stops_at_the_working_set() -> None:
+    # Regression: --points 1e9 looped a billion times for a grid of at most 991 capacities.
+    grid = capacity_grid(1_000, points=10**12, smallest=10)
+    assert grid[0] == 10 and grid[-1] == 1_000 and len(grid) <= 991 and grid == sorted(set(grid))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=5).map(tuple), min_size=1, max_size=14))
 def test_lru_never_loses_hits_as_capacity_grows(paths: list[tuple[int, ...]]) -> None:

@@ -50,6 +50,28 @@ def png_file(text: str) -> Path:
     return path
 
 
+def comma_list(text: str) -> list[str]:
+    """A comma-separated option: its non-empty parts, stripped."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def policy_names(text: str) -> list[str]:
+    """``--policies`` (plan), ``--policy-names`` (bench): registered cache policies, at
+    least one; an unknown name is refused here, before anything runs."""
+    from tiered_kv.registry import POLICIES
+
+    names = comma_list(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"names no policy: {text!r}")
+    known = POLICIES.names()
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"no policy is registered as {', '.join(unknown)} (there are {', '.join(known)})"
+        )
+    return names
+
+
 def positive_int(text: str) -> int:
     """A count or size option: a whole number above zero."""
     return _positive(text, int, "a whole number")

@@ -21,7 +21,16 @@ import msgspec
 
 from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.report import Progress, Table
-from tiered_kv.cli_errors import UsageError, output_file, png_file, positive_float, positive_int, positive_int_up_to
+from tiered_kv.cli_errors import (
+    UsageError,
+    comma_list,
+    output_file,
+    png_file,
+    policy_names,
+    positive_float,
+    positive_int,
+    positive_int_up_to,
+)
 from tiered_kv.errors import TieredKVError
 from tiered_kv.optimum import compulsory_bound
 from tiered_kv.planner import Plan, candidates, capacity_grid, make_plan
@@ -40,13 +49,9 @@ DEFAULT_CPU_SHARE = 0.5
 DEFAULT_MODEL = "llama-1b"
 
 
-def _names(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 def _capacities(text: str) -> list[int]:
     try:
-        values = sorted({int(part) for part in _names(text)})
+        values = sorted({int(part) for part in comma_list(text)})
     except ValueError:
         raise argparse.ArgumentTypeError(f"capacities are chunk counts, got {text!r}") from None
     if not values or values[0] <= 0:
@@ -86,7 +91,9 @@ def add_plan_parser(subparsers: Any) -> None:
     parser.add_argument("--capacities", type=_capacities, metavar="CHUNKS", help="comma-separated capacities")
     parser.add_argument("--points", type=positive_int, default=10, help="capacities in the grid (default 10)")
     parser.add_argument("--smallest", type=positive_int, default=256, help="the grid's smallest capacity (default 256)")
-    parser.add_argument("--policies", type=_names, metavar="NAMES", help="policies (default: every registered one)")
+    parser.add_argument(
+        "--policies", type=policy_names, metavar="NAMES", help="policies (default: every registered one)"
+    )
     parser.add_argument(
         "--target-hit-rate",
         type=_rate,

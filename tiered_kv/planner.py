@@ -103,6 +103,7 @@ def capacity_grid(working_set: int, *, points: int = 10, smallest: int = 256) ->
     if working_set <= 0 or points <= 0 or smallest <= 0:
         raise ConfigError(f"needs a non-empty trace and positive sizes, got {working_set, points, smallest}")
     low = min(smallest, working_set)
+    points = min(points, working_set - low + 1)  # there are no more distinct capacities
     if points == 1 or low == working_set:
         return [working_set]
     ratio = (working_set / low) ** (1 / (points - 1))

@@ -41,7 +41,7 @@ import numpy as np
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.trace_option import bench_trace
-from tiered_kv.cli_errors import positive_float, positive_int
+from tiered_kv.cli_errors import comma_list, policy_names, positive_float, positive_int
 from tiered_kv.keys import KEY_BYTES, ChunkKey
 from tiered_kv.optimum import MIN, offline_optimum
 from tiered_kv.peers import PEERS, replay_peer
@@ -60,12 +60,8 @@ def _never(key: ChunkKey) -> bool:
     return False
 
 
-def _comma_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 def _fractions(text: str) -> list[float]:
-    values = [float(part) for part in _comma_list(text)]
+    values = [float(part) for part in comma_list(text)]
     if not values or any(not 0 < value <= 1 for value in values):
         raise argparse.ArgumentTypeError(f"fractions must lie in (0, 1], got {text!r}")
     return values
@@ -221,7 +217,7 @@ class PoliciesSection:
     def add_arguments(self, parser: argparse._ArgumentGroup) -> None:
         parser.add_argument(
             "--policy-names",
-            type=_comma_list,
+            type=policy_names,
             metavar="NAMES",
             help="comma-separated policies (default: every registered one)",
         )
