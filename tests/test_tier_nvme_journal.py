@@ -389,3 +389,40 @@ async def test_a_commit_of_more_records_than_the_threshold_never_lets_the_journa
 async def test_a_compaction_threshold_past_the_bound_a_reader_allows_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"compact_every must be in \[1, 4096\], got 4097"):
         await open_store(tmp_path / "live", compact_every=4097)
+
+
+@pytest.mark.parametrize("failing", [0, 1, 2])
+async def test_a_compaction_that_fails_during_a_commit_loses_no_record_and_keeps_the_journal_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int
+) -> None:
+    """A commit of 8 records with compaction every 3 compacts twice; the ``failing``-th
+    compaction fails (a full disk). With records still to append the commit fails and
+    keeps them for the next; after the last, the failure is only logged and the next
+    commit compacts first. Either way every record lands and the journal never holds
+    more than it may."""
+    calls: list[int] = []
+    compact = Journal._compact
+
+    def flaky(self: Journal) -> None:
+        calls.append(self._records)
+        if len(calls) - 1 == failing:
+            raise OSError(28, "No space left on device")
+        assert self._records <= 3, "the journal held more than its threshold"
+        compact(self)
+
+    monkeypatch.setattr(Journal, "_compact", flaky)
+    tier = await open_store(tmp_path / "live", compact_every=3)
+    await tier.write([op(slot, 1) for slot in range(SLOTS)])
+    if failing < 2:  # records were left to append
+        with pytest.raises(TierError, match="No space left"):
+            await tier.sync()
+    await tier.sync()  # the failed commit's records, again
+    assert journal(tier.directory).stat().st_size <= most_bytes("journal", SLOTS)
+    await tier.write([op(0, 2)])  # a later commit: it compacts first when the last compaction failed
+    await tier.sync()
+    await tier.close()
+    assert len(calls) > failing, "the failing compaction was never reached"
+    monkeypatch.setattr(Journal, "_compact", compact)
+    reopened = await open_store(tmp_path / "live")
+    assert reopened.recovered() == {key(0, 2): 0} | {key(slot, 1): slot for slot in range(1, SLOTS)}
+    await reopened.close()
