@@ -256,21 +256,6 @@ def test_an_unreadable_slot_map_is_damage_that_verify_reports(store: Path, capsy
     assert code == 1
 
 
-@pytest.mark.parametrize("name", ["g0.checkpoint", "g0.journal", "namespace.json"])
-def test_a_planted_huge_metadata_file_is_reported_not_read(
-    store: Path, capsys: pytest.CaptureFixture[str], name: str
-) -> None:
-    os.truncate(store_dir(store) / name, 1 << 40)  # sparse: a whole read would need 1 TiB of memory
-    code, report, _ = inspect_cli(capsys, store)
-    assert code == 0
-    [line] = [line for line in damage_lines(report) if f"{1 << 40} bytes, more than the" in line]
-    assert line.startswith(
-        "problem: namespace.json is not a namespace record"
-        if name == "namespace.json"
-        else f"problem: group 0: the {name[3:]} is unreadable"
-    )
-
-
 def test_a_store_without_a_namespace_record_is_still_listed_and_verified(
     store: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

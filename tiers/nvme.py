@@ -73,10 +73,9 @@ from tiered_kv.tiers._driver import (
     worker_pool,
 )
 from tiered_kv.tiers.nvme_commit import GroupCommit
-from tiered_kv.tiers.nvme_files import FileTooLarge, open_file, open_root, open_store_dir, read_file, replace_file
+from tiered_kv.tiers.nvme_files import open_file, open_root, open_store_dir, read_file, replace_file
 from tiered_kv.tiers.nvme_format import (
     HEADER_BYTES,
-    MAX_NAMESPACE_BYTES,
     NAMESPACE_FILE,
     decode_namespace,
     encode_namespace,
@@ -94,7 +93,6 @@ from tiered_kv.tiers.nvme_journal import (
     SlotMap,
     SlotMapFiles,
     forget_record,
-    most_records,
     recovered_chunks,
     write_record,
 )
@@ -103,6 +101,10 @@ from tiered_kv.tiers.nvme_journal import (
 COALESCE_OPS = 256
 #: The default commit window: the most recent stores a crash may lose.
 COMMIT_WINDOW_S = 0.02
+#: A journal is folded into a checkpoint once it holds this many records, or as many
+#: as the tier has slots if that is more (so compaction is amortized O(1) per record).
+COMPACT_AT_LEAST = 4096
+
 log = get_logger("nvme")
 
 
@@ -129,15 +131,14 @@ class _Lane(threading.local):
         return self.zeros[:nbytes]
 
 
-def _open_slots(dir_fd: int, name: str, path: str, size: int, direct_io: bool | None) -> tuple[int, bool, int]:
-    """The slots file, sized to ``size`` bytes: ``(fd, whether it does O_DIRECT, the
-    bytes it had)``."""
+def _open_slots(dir_fd: int, name: str, path: str, size: int, direct_io: bool | None) -> tuple[int, bool]:
+    """The slots file, sized to ``size`` bytes: ``(fd, whether it does O_DIRECT)``."""
     flags = os.O_RDWR | os.O_CREAT
     fd = -1
     if direct_io is not False:
         try:
             fd = open_file(dir_fd, name, path, flags | os.O_DIRECT)
-            had = _size(fd, size, path)
+            _size(fd, size, path)
             probe = mmap.mmap(-1, PAGE)
             os.preadv(fd, [probe], 0)  # some filesystems accept the flag, then refuse the I/O
         except OSError as exc:
@@ -147,18 +148,17 @@ def _open_slots(dir_fd: int, name: str, path: str, size: int, direct_io: bool | 
                 raise
             log.warning("nvme.direct_io_unavailable", path=path, reason=exc.strerror)
         else:
-            return fd, True, had
+            return fd, True
     fd = open_file(dir_fd, name, path, flags)
     try:
-        had = _size(fd, size, path)
+        _size(fd, size, path)
     except BaseException:
         os.close(fd)
         raise
-    return fd, False, had
+    return fd, False
 
 
-def _size(fd: int, size: int, path: str) -> int:
-    """Make the file open as ``fd`` ``size`` bytes long; the bytes it had."""
+def _size(fd: int, size: int, path: str) -> None:
     have = os.fstat(fd).st_size
     if have > size:
         os.ftruncate(fd, size)
@@ -170,7 +170,6 @@ def _size(fd: int, size: int, path: str) -> int:
                 raise
             log.warning("nvme.preallocate_unavailable", path=path, reason=exc.strerror)
             os.ftruncate(fd, size)
-    return have
 
 
 def _claim(dir_fd: int, directory: Path, namespace: Namespace, group: int) -> None:
@@ -181,7 +180,7 @@ def _claim(dir_fd: int, directory: Path, namespace: Namespace, group: int) -> No
     """
     path = directory / NAMESPACE_FILE
     try:
-        recorded = decode_namespace(read_file(dir_fd, NAMESPACE_FILE, str(path), most=MAX_NAMESPACE_BYTES))
+        recorded = decode_namespace(read_file(dir_fd, NAMESPACE_FILE, str(path)))
     except FileNotFoundError:
         try:
             replace_file(
@@ -192,7 +191,7 @@ def _claim(dir_fd: int, directory: Path, namespace: Namespace, group: int) -> No
         return
     except OSError as exc:
         raise tier_error("nvme", f"cannot read {path}", exc) from exc
-    except (msgspec.DecodeError, FileTooLarge) as exc:
+    except msgspec.DecodeError as exc:
         raise CorruptStore(f"{path} is not a namespace record: {exc}", tier="nvme") from exc
     if recorded.fingerprint != namespace.fingerprint:
         raise CorruptStore(
@@ -220,7 +219,6 @@ class NvmeTier(DriverBase):
         direct: bool,
         pool: ThreadPoolExecutor,
         compact_every: int,
-        written_slots: int,
     ) -> None:
         super().__init__("nvme", slot_bytes, num_slots)
         self.directory = directory
@@ -235,7 +233,7 @@ class NvmeTier(DriverBase):
         self._pool = pool
         self._lanes = _Lane()
         identity = Identity(self._fingerprint, group, slot_bytes)
-        self._journal = Journal(dir_fd, directory, identity, num_slots, compact_every, written_slots)
+        self._journal = Journal(dir_fd, directory, identity, num_slots, compact_every)
         #: The slot map: each slot's key, and whether a read may return it (written here,
         #: or recovered).
         self._keys = bytearray(num_slots * KEY_BYTES)
@@ -267,18 +265,18 @@ class NvmeTier(DriverBase):
         ``direct_io``: ``None`` uses ``O_DIRECT`` where the filesystem allows it, ``True``
         requires it, ``False`` never uses it. ``commit_window_s``: how long journal
         records gather before a commit makes them durable. ``compact_every``: journal
-        records after which it is folded into a checkpoint (default and most: the
-        number of slots, at least 4096).
+        records after which it is folded into a checkpoint (default: the number of
+        slots, at least 4096).
         """
         if io_depth <= 0:
             raise ValueError(f"io_depth must be positive, got {io_depth}")
         if not 0 < num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots must be in [1, {MAX_SLOTS}], got {num_slots}")
-        if compact_every is not None and not 0 < compact_every <= most_records(num_slots):
-            raise ValueError(f"compact_every must be in [1, {most_records(num_slots)}], got {compact_every}")
+        if compact_every is not None and compact_every <= 0:
+            raise ValueError(f"compact_every must be positive, got {compact_every}")
         directory = Path(root) / namespace.dir_name
         pool = worker_pool("nvme", io_depth)
-        files: list[tuple[int, int, int, bool, int]] = []  # kept here: a cancelled wait returns no result
+        files: list[tuple[int, int, int, bool]] = []  # kept here: a cancelled wait returns no result
 
         def open_files() -> None:
             files.append(cls._open_files(Path(root), namespace, group, slot_stride(slot_bytes) * num_slots, direct_io))
@@ -286,12 +284,12 @@ class NvmeTier(DriverBase):
         try:
             await in_threads(pool, open_files, [()])
         except BaseException:
-            for dir_fd, fd, lock_fd, _, _ in files:  # opened, then the caller gave up: close (and unlock) them
+            for dir_fd, fd, lock_fd, _ in files:  # opened, then the caller gave up: close (and unlock) them
                 for opened in (fd, lock_fd, dir_fd):
                     os.close(opened)
             pool.shutdown(wait=False)
             raise
-        [(dir_fd, fd, lock_fd, direct, had_bytes)] = files
+        [(dir_fd, fd, lock_fd, direct)] = files
         tier = cls(
             directory,
             namespace,
@@ -304,8 +302,7 @@ class NvmeTier(DriverBase):
             lock_fd=lock_fd,
             direct=direct,
             pool=pool,
-            compact_every=compact_every or most_records(num_slots),
-            written_slots=had_bytes // slot_stride(slot_bytes),
+            compact_every=compact_every or max(num_slots, COMPACT_AT_LEAST),
         )
         try:
             await tier._recover()
@@ -334,9 +331,9 @@ class NvmeTier(DriverBase):
     @staticmethod
     def _open_files(
         root: Path, namespace: Namespace, group: int, size: int, direct_io: bool | None
-    ) -> tuple[int, int, int, bool, int]:
-        """``(store directory, slots file, lock file, O_DIRECT, the bytes the slots file
-        had)``, all checked (see :mod:`tiered_kv.tiers.nvme_files`)."""
+    ) -> tuple[int, int, int, bool]:
+        """``(store directory, slots file, lock file, O_DIRECT)``, all checked (see
+        :mod:`tiered_kv.tiers.nvme_files`)."""
         directory = root / namespace.dir_name
         try:
             root_fd = open_root(root)
@@ -353,7 +350,7 @@ class NvmeTier(DriverBase):
             fcntl.flock(opened[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
             _claim(dir_fd, directory, namespace, group)
             slots = group_file(group, "slots")
-            fd, direct, had_bytes = _open_slots(dir_fd, slots, str(directory / slots), size, direct_io)
+            fd, direct = _open_slots(dir_fd, slots, str(directory / slots), size, direct_io)
         except BaseException as exc:
             for fd in opened:
                 os.close(fd)
@@ -362,7 +359,7 @@ class NvmeTier(DriverBase):
             if isinstance(exc, OSError):
                 raise tier_error("nvme", f"cannot open the slots of {directory}", exc) from exc
             raise
-        return dir_fd, fd, opened[1], direct, had_bytes
+        return dir_fd, fd, opened[1], direct
 
     # -- the driver protocol -------------------------------------------------------------
     async def write(self, ops: Sequence[TransferOp]) -> None:

@@ -142,22 +142,13 @@ def open_file(dir_fd: int, name: str, path: str, flags: int, *, owner: bool = Tr
 PIECE_BYTES = 1 << 20
 
 
-class FileTooLarge(Exception):
-    """A file larger than its reader allows (what a store of its geometry can write):
-    planted or damaged, and never read into memory."""
-
-
-def read_file(dir_fd: int, name: str, path: str, *, most: int, owner: bool = True) -> memoryview:
+def read_file(dir_fd: int, name: str, path: str, *, owner: bool = True) -> memoryview:
     """The whole content of file ``name`` (see :func:`open_file`), read in pieces into
-    one buffer; :class:`FileTooLarge` if it has more than ``most`` bytes. The buffer is
-    not zeroed first: zeroing the 24 MB checkpoint of a million slots holds the
-    interpreter, and so the event loop, for 10 ms."""
+    one buffer. The buffer is not zeroed first: zeroing the 24 MB checkpoint of a
+    million slots holds the interpreter, and so the event loop, for 10 ms."""
     fd = open_file(dir_fd, name, path, os.O_RDONLY, owner=owner)
     try:
-        size = os.fstat(fd).st_size
-        if size > most:
-            raise FileTooLarge(f"{size} bytes, more than the {most} a store of its geometry writes")
-        view = np.empty(size, dtype=np.uint8).data
+        view = np.empty(os.fstat(fd).st_size, dtype=np.uint8).data
         done = 0
         while done < len(view) and (got := os.readv(fd, [view[done : done + PIECE_BYTES]])):
             done += got

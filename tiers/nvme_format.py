@@ -40,8 +40,6 @@ MAX_KEY_BYTES = 256
 SCAN_BYTES = 1 << 20
 #: The file of a store directory that records its namespace.
 NAMESPACE_FILE = "namespace.json"
-#: The largest namespace record read (a real one is a few hundred bytes).
-MAX_NAMESPACE_BYTES = 1 << 20
 
 # magic, version, key length, reserved, slot, payload length, namespace fingerprint, payload checksum
 _FIXED = struct.Struct("<8sHHIQQ32s16s")

@@ -27,10 +27,9 @@ from tiered_kv.inspection import CorruptSlot, GroupReport, Inspection, StoreRepo
 from tiered_kv.layout import KVGroup
 from tiered_kv.namespace import Namespace
 from tiered_kv.tiers._driver import split, tier_error
-from tiered_kv.tiers.nvme_files import FileTooLarge, open_file, open_subdir, read_file
+from tiered_kv.tiers.nvme_files import open_file, open_subdir, read_file
 from tiered_kv.tiers.nvme_format import (
     HEADER_BYTES,
-    MAX_NAMESPACE_BYTES,
     NAMESPACE_FILE,
     SCAN_BYTES,
     decode_namespace,
@@ -101,14 +100,12 @@ def _inspect_store(dir_fd: int, directory: Path, verify: bool) -> StoreReport:
     problems: list[str] = []
     namespace: Namespace | None = None
     try:
-        namespace = decode_namespace(
-            read_file(dir_fd, NAMESPACE_FILE, str(directory / NAMESPACE_FILE), most=MAX_NAMESPACE_BYTES, owner=False)
-        )
+        namespace = decode_namespace(read_file(dir_fd, NAMESPACE_FILE, str(directory / NAMESPACE_FILE), owner=False))
     except FileNotFoundError:
         pass
     except UnsafeStore as exc:
         problems.append(f"{NAMESPACE_FILE} {exc.reason}: opening this store is refused")
-    except (msgspec.DecodeError, FileTooLarge) as exc:
+    except msgspec.DecodeError as exc:
         problems.append(f"{NAMESPACE_FILE} is not a namespace record: {exc}")
     layouts: tuple[KVGroup, ...] = ()
     if namespace is not None:
@@ -165,11 +162,7 @@ def _report_group(
 ) -> GroupReport:
     files = None
     try:
-        # The smallest stride: the most slots the slots file holds, whatever their size.
-        most_slots = file_bytes // slot_stride(1)
-        files = read_files(
-            dir_fd, directory, group, fingerprint=fingerprint, slot_bytes=None, num_slots=most_slots, owner=False
-        )
+        files = read_files(dir_fd, directory, group, fingerprint=fingerprint, slot_bytes=None, owner=False)
     except UnsafeStore as exc:
         problems.append(f"{Path(exc.path).name} {exc.reason}: opening this store is refused")
     if files is None or files.slot_bytes is None or files.fingerprint is None:

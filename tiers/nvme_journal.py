@@ -18,11 +18,8 @@ bytes), which is what lets it be kept at a cost proportional to what changes:
 Replay applies the checkpoint, then every intact frame in order (a slot's last record
 wins); the first frame cut short or failing its checksum ends the journal, a torn tail,
 which is what a crash during a commit leaves. A file of another namespace, group or slot
-size is ignored, and so is one larger than a slot map of the tier's slots is written
-(:func:`most_bytes`: a checkpoint holds one entry per slot at most, a journal at most
-as many records as compaction lets gather), which is never read into memory.
-:class:`Journal` (the driver's, in its threads) repairs what it reads before
-appending; :func:`read_files` and :func:`replay` (inspection's too) only read.
+size is ignored. :class:`Journal` (the driver's, in its threads) repairs what it reads
+before appending; :func:`read_files` and :func:`replay` (inspection's too) only read.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ import xxhash
 
 from tiered_kv._keytable import KeyInts
 from tiered_kv.log import get_logger
-from tiered_kv.tiers.nvme_files import FileTooLarge, open_file, read_file, replace_file
+from tiered_kv.tiers.nvme_files import open_file, read_file, replace_file
 from tiered_kv.tiers.nvme_format import GroupFile, group_file
 
 FORMAT_VERSION = 1
@@ -66,9 +63,6 @@ _HEADER_BYTES = _HEADER.size + _CHECK.size
 #: ``_FRAMES_AT_LEAST``): many small commits keep replay to a few thousand frames.
 _RECORDS_PER_FRAME = 64
 _FRAMES_AT_LEAST = 64
-#: A journal is folded into a checkpoint once it holds this many records, or as many
-#: as the tier has slots if that is more (so compaction is amortized O(1) per record).
-COMPACT_AT_LEAST = 4096
 #: Entries per step of the loops over a whole slot map in Python-level calls that hold
 #: the interpreter (in a driver thread, the event loop waits for each step).
 _STEP = 1 << 14
@@ -120,25 +114,6 @@ def _parse_header(data: bytes | bytearray | memoryview, magic: bytes) -> tuple[I
     return Identity(fingerprint, group, slot_bytes), generation
 
 
-def most_records(num_slots: int) -> int:
-    """The most records a journal of a tier of ``num_slots`` slots holds: the default
-    compaction threshold, and the highest one a tier accepts."""
-    return max(num_slots, COMPACT_AT_LEAST)
-
-
-def _frame_limit(compact_every: int) -> int:
-    return max(_FRAMES_AT_LEAST, compact_every // _RECORDS_PER_FRAME)
-
-
-def most_bytes(kind: GroupFile, num_slots: int) -> int:
-    """The largest checkpoint (one entry per slot) or journal (every frame compaction
-    lets gather) of a tier of ``num_slots`` slots."""
-    if kind == "checkpoint":
-        return _HEADER_BYTES + _COUNT.size + num_slots * RECORD.itemsize + _CHECK.size
-    records = most_records(num_slots)
-    return _HEADER_BYTES + _frame_limit(records) * _FRAME.size + records * RECORD.itemsize
-
-
 def _records(data: bytes | bytearray | memoryview, offset: int, count: int) -> np.ndarray:
     return np.frombuffer(data, dtype=RECORD, count=count, offset=offset)
 
@@ -171,7 +146,7 @@ def _parse_checkpoint(data: bytes | bytearray | memoryview) -> tuple[Identity, i
     return identity, generation, _records(data, body, count)
 
 
-def encode_frame(sequence: int, records: bytes | memoryview) -> bytes:
+def encode_frame(sequence: int, records: bytes) -> bytes:
     """A journal frame of ``records`` (whole 24-byte records), number ``sequence``."""
     count = len(records) // RECORD.itemsize
     fields = _FRAME.pack(_FRAME_MAGIC, count, sequence, 0)[:-8]
@@ -245,13 +220,11 @@ class SlotMap:
     dropped: int
 
 
-def _load(dir_fd: int, directory: Path, name: str, *, most: int, owner: bool) -> memoryview | None:
+def _load(dir_fd: int, directory: Path, name: str, *, owner: bool) -> memoryview | None:
     try:
-        return read_file(dir_fd, name, str(directory / name), most=most, owner=owner)
+        return read_file(dir_fd, name, str(directory / name), owner=owner)
     except FileNotFoundError:
         return None
-    except FileTooLarge as exc:
-        raise _Unusable(str(exc)) from exc
 
 
 def read_files(
@@ -261,12 +234,10 @@ def read_files(
     *,
     fingerprint: bytes | None,
     slot_bytes: int | None,
-    num_slots: int,
     owner: bool = True,
 ) -> SlotMapFiles:
     """Read group ``group``'s checkpoint and journal; ``fingerprint`` and ``slot_bytes``
-    are what they must carry (None: the files' word); ``num_slots``: the most slots they
-    may have been written for (a larger file is unreadable). A link, or a file of another user
+    are what they must carry (None: the files' word). A link, or a file of another user
     when ``owner``, raises :class:`~tiered_kv.errors.UnsafeStore`; ``OSError`` when
     unreadable."""
     problems: list[str] = []
@@ -275,10 +246,10 @@ def read_files(
     want = (fingerprint, group, slot_bytes)
     kinds: tuple[GroupFile, ...] = ("checkpoint", "journal")
     for kind in kinds:
+        data = _load(dir_fd, directory, group_file(group, kind), owner=owner)
+        if data is None:
+            continue
         try:
-            data = _load(dir_fd, directory, group_file(group, kind), most=most_bytes(kind, num_slots), owner=owner)
-            if data is None:
-                continue
             parsed = _parse_checkpoint(data) if kind == "checkpoint" else _parse_journal(data)
         except _Unusable as exc:
             problems.append(f"the {kind} is unreadable ({exc})")
@@ -374,20 +345,15 @@ def recovered_chunks(slot_map: SlotMap) -> KeyInts:
 
 class Journal:
     """A group's slot-map files, open for appending. Every method does file I/O and runs
-    in a driver thread, one call at a time. ``compact_every`` is at most
-    :func:`most_records` of ``num_slots``; ``written_slots``: the most slots the files
-    found may have been written for (more than ``num_slots`` if the tier shrank)."""
+    in a driver thread, one call at a time."""
 
-    def __init__(
-        self, dir_fd: int, directory: Path, identity: Identity, num_slots: int, compact_every: int, written_slots: int
-    ) -> None:
+    def __init__(self, dir_fd: int, directory: Path, identity: Identity, num_slots: int, compact_every: int) -> None:
         self._dir_fd = dir_fd
         self._directory = directory
         self._identity = identity
         self._num_slots = num_slots
-        self._written_slots = max(num_slots, written_slots)
         self._compact_every = compact_every
-        self._frame_limit = _frame_limit(compact_every)
+        self._frame_limit = max(_FRAMES_AT_LEAST, compact_every // _RECORDS_PER_FRAME)
         self._name = group_file(identity.group, "journal")
         self._fd = -1
         self._generation = 0
@@ -413,32 +379,12 @@ class Journal:
 
     def commit(self, records: bytes, data_fd: int) -> None:
         """Make ``records`` durable: sync the slots file open as ``data_fd`` (the bytes
-        the records name), append them as frames, syncing each; compact whenever the
-        journal is due, so that it never holds more than ``compact_every`` records. A
-        compaction that fails is logged and tried again at the next commit, which first
-        finishes one left half-way; it fails this commit if records are left to append."""
-        if self._stale or self._due():  # a journal reopened with a lower threshold may be due
+        the records name), append a frame, sync it; then compact if the journal is due.
+        A compaction that fails is logged and tried again at the next commit, which first
+        finishes one left half-way."""
+        if self._stale:
             self._compact()
         os.fdatasync(data_fd)
-        view = memoryview(records)
-        while view:
-            room = (self._compact_every - self._records) * RECORD.itemsize
-            self._append(view[:room])
-            view = view[room:]
-            if self._due():
-                try:
-                    self._compact()
-                except OSError as exc:
-                    if view:
-                        raise
-                    log.warning(
-                        "nvme.compaction_failed", path=str(self._directory), group=self._identity.group, error=str(exc)
-                    )
-
-    def _due(self) -> bool:
-        return self._records >= self._compact_every or self._frames >= self._frame_limit
-
-    def _append(self, records: memoryview) -> None:
         frame = encode_frame(self._frames, records)
         done = os.pwrite(self._fd, frame, self._end)
         if done != len(frame):
@@ -447,6 +393,13 @@ class Journal:
         self._end += len(frame)
         self._frames += 1
         self._records += len(records) // RECORD.itemsize
+        if self._records >= self._compact_every or self._frames >= self._frame_limit:
+            try:
+                self._compact()
+            except OSError as exc:
+                log.warning(
+                    "nvme.compaction_failed", path=str(self._directory), group=self._identity.group, error=str(exc)
+                )
 
     def compact(self) -> None:
         """Fold the journal into a new checkpoint and start an empty journal (nothing to
@@ -461,7 +414,6 @@ class Journal:
             self._identity.group,
             fingerprint=self._identity.fingerprint,
             slot_bytes=self._identity.slot_bytes,
-            num_slots=self._written_slots,
         )
 
     def _compact(self) -> None:
