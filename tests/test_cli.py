@@ -124,6 +124,12 @@ def test_python_m_tiered_kv_runs_the_command_and_says_its_version() -> None:
             ["bench", "policies", "keys", "--model", "custom", "--layers", "4", "--policy-trace-scale", "0.01"],
             "--model custom needs --kv-heads, --head-dim",
         ),
+        # Regression: both were ignored without --trace (the run replayed the synthetic traces).
+        (["bench", "workload", "--trace-chunk-tokens", "512"], "--trace-chunk-tokens describes a --trace file"),
+        (
+            ["bench", "policies", "--trace-block-tokens", "64", "--trace-chunk-tokens", "64"],
+            "--trace-block-tokens and --trace-chunk-tokens describe a --trace file",
+        ),
         (["inspect"], "give DIR or --remote TARGET"),
         (["config", "check"], "the following arguments are required: FILE"),
     ],

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tiered_kv.cli import main
+from tiered_kv.cli import EXIT_OUTPUT_CLOSED, main
 
 SMALL = ["--scale", "0.02", "--points", "4", "--smallest", "16", "--policies", "lru,s3fifo"]
 
@@ -112,3 +115,58 @@ def test_an_unknown_or_empty_policy_list_is_a_usage_error_before_anything_runs(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_trace_files_block_size_given_with_a_synthetic_trace_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: ``plan --synthetic chat --trace-block-tokens 64`` ignored the option and exited 0."""
+    assert main(["plan", "--synthetic", "chat", *SMALL, "--trace-block-tokens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--trace-block-tokens reads a --trace file" in err
+
+
+def test_a_trace_without_reuse_sizes_no_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: a trace in which no chunk comes back recommended "cpu: 1 chunks" and
+    "nvme: 1 chunks" reaching a hit rate of 0 (its target, 0.9 x a bound of 0)."""
+    trace, out = tmp_path / "once.jsonl", tmp_path / "plan.json"
+    lines = [f'{{"timestamp": {i}, "input_length": 1024, "hash_ids": [{2 * i}, {2 * i + 1}]}}' for i in range(6)]
+    trace.write_text("\n".join(lines) + "\n")
+    assert main(["plan", "--trace", str(trace), "--chunk-tokens", "512", "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "no chunk of this trace is looked up twice" in stdout and "chunks =" not in stdout
+    plan = json.loads(out.read_text())
+    assert plan["compulsory_hit_rate"] == 0 and plan["sizings"] == []
+
+
+def test_a_reader_that_closes_the_report_early_ends_the_plan_quietly_with_its_files_written(tmp_path: Path) -> None:
+    """``tiered-kv plan ... | head``: regression, the report's print raised BrokenPipeError,
+    the command said "error: [Errno 32] Broken pipe", exited 1 and wrote no --json."""
+    out = tmp_path / "plan.json"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before the report is printed
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "tiered_kv", "plan", "--synthetic", "chat", *SMALL, "--json", str(out)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == EXIT_OUTPUT_CLOSED
+    assert "error" not in result.stderr and "Broken pipe" not in result.stderr, result.stderr
+    assert json.loads(out.read_text())["trace"] == "chat"
+
+
+def test_a_broken_pipe_that_is_not_standard_output_is_a_failure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only a closed standard output ends a command quietly; a connection of its own that
+    breaks is a failure with its reason."""
+
+    def broken(args: object) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("tiered_kv.plan_command.run_plan", broken)
+    assert main(["plan", "--synthetic", "chat"]) == 1
+    assert "error: [Errno 32] Broken pipe" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_manager_control import config, open_harness
 
-from tiered_kv.errors import ConfigError
+from tiered_kv.errors import ChunkKeyError, ConfigError
 from tiered_kv.optimum import compulsory_bound
 from tiered_kv.peers import PEERS, replay_peer
 from tiered_kv.planner import Candidate, candidates, capacity_grid, make_plan
@@ -151,3 +151,36 @@ def test_a_recorder_forgets_old_keys_beyond_its_bound() -> None:
         TraceRecorder(sink, chunk_tokens=0)
     with pytest.raises(ConfigError):
         recorder.record(keys, 0)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [[b"short"], [b"k" * 17], ["a string, not bytes" * 2], [bytearray(16)], [None], [b"k" * 16, 3]],
+)
+def test_a_recorder_refuses_what_is_not_a_chunk_key_and_writes_nothing(keys: list[object]) -> None:
+    """Regression: keys of any length or type were written as hash ids of their own."""
+    sink = io.BytesIO()
+    recorder = TraceRecorder(sink, chunk_tokens=16)
+    with pytest.raises(ChunkKeyError):
+        recorder.record(keys, 64)  # type: ignore[arg-type]
+    assert sink.getvalue() == b"" and recorder.recorded == 0
+
+
+def test_a_recorder_refuses_more_keys_than_the_prompt_has_chunks() -> None:
+    """A line with more hash ids than its input length covers is one the reader rejects."""
+    sink = io.BytesIO()
+    recorder = TraceRecorder(sink, chunk_tokens=16)
+    with pytest.raises(ConfigError, match="3 chunk keys for 47 tokens"):
+        recorder.record([bytes([i]) * 16 for i in range(3)], 47)
+    assert sink.getvalue() == b""
+
+
+@pytest.mark.parametrize("reading", [float("nan"), float("inf"), -1.0])
+def test_a_recorder_refuses_a_clock_reading_that_is_no_time_since_it_started(reading: float) -> None:
+    """Regression: a clock that gave NaN wrote ``"timestamp": null``, a line the reader rejects."""
+    readings = iter([0.0, reading])
+    sink = io.BytesIO()
+    recorder = TraceRecorder(sink, chunk_tokens=16, clock=lambda: next(readings))
+    with pytest.raises(ConfigError, match="the clock gave"):
+        recorder.record([b"k" * 16], 16)
+    assert sink.getvalue() == b""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import select
 import signal
 import sys
 import threading
@@ -32,6 +34,9 @@ from tiered_kv.plan_command import add_plan_parser
 EXIT_INTERRUPTED = 130
 #: Ended by SIGTERM (128 + 15), after the same cleanup as an interrupt.
 EXIT_TERMINATED = 143
+#: Its reader closed standard output (``tiered-kv plan ... | head``): 128 + SIGPIPE, as a
+#: shell reports a command the signal ended.
+EXIT_OUTPUT_CLOSED = 141
 
 
 class _TermAsInterrupt:
@@ -89,6 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe or socket whose reader has gone (poll says POLLERR)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll on this platform, or no real stdout
+        return False
+
+
 def describe(exc: BaseException) -> str:
     """A failure in one line: tiered-kv's and the OS's errors say what they are; others
     are named by their type."""
@@ -124,6 +139,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: {'terminated' if terminated.received else 'interrupted'}", file=sys.stderr)
         return EXIT_TERMINATED if terminated.received else EXIT_INTERRUPTED
+    except BrokenPipeError as exc:
+        if not _stdout_closed():  # a pipe or socket of the command's own broke: a failure
+            print(f"{prog}: error: {describe(exc)} (--log-level debug shows the traceback)", file=sys.stderr)
+            return EXIT_FAILED
+        # Ends quietly, as a program the signal ended would; what the command writes to
+        # files (plan's --json) is written before its report. Standard output goes to
+        # /dev/null so that the interpreter's last flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OUTPUT_CLOSED
     except Exception as exc:
         if args.log_level == "debug":
             traceback.print_exc(file=sys.stderr)

@@ -81,7 +81,6 @@ def add_plan_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--trace-block-tokens",
         type=positive_int_up_to(MAX_CHUNK_TOKENS),
-        default=MOONCAKE_BLOCK_TOKENS,
         metavar="N",
         help=f"tokens per hash id in --trace (default {MOONCAKE_BLOCK_TOKENS})",
     )
@@ -126,7 +125,10 @@ def load_trace(args: argparse.Namespace, chunk_tokens: int) -> FileTrace:
         given = [f"--{name}" for name in ("scale", "seed", "export") if getattr(args, name) is not None]
         if given:
             raise UsageError(f"{', '.join(given)} shape a --synthetic trace; --trace reads one as it is")
-        return read_trace(args.trace, block_tokens=args.trace_block_tokens, chunk_tokens=chunk_tokens)
+        block_tokens = args.trace_block_tokens or MOONCAKE_BLOCK_TOKENS
+        return read_trace(args.trace, block_tokens=block_tokens, chunk_tokens=chunk_tokens)
+    if args.trace_block_tokens is not None:
+        raise UsageError("--trace-block-tokens reads a --trace file; a --synthetic trace is keyed at --chunk-tokens")
     seed, scale = args.seed or 0, args.scale or 1.0
     requests = standard_traces(seed, scale=scale, chunk_tokens=chunk_tokens)[args.synthetic]
     data = b"".join(trace_lines(requests, block_tokens=chunk_tokens))
@@ -172,7 +174,7 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
         progress=progress.step,
     )
     progress.done()
-    print(render(plan, namespace.model_id), file=out)
+    # The files first: a reader that closes standard output early (``| head``) must not cost them.
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(plan), indent=2) + b"\n")
@@ -180,6 +182,7 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
         from tiered_kv.plan_plot import write_plan_plot
 
         write_plan_plot(plan, args.plot)
+    print(render(plan, namespace.model_id), file=out)
     return 0
 
 
@@ -228,7 +231,9 @@ def render(plan: Plan, model: str) -> str:
         rows=rows,
     )
     lines = [rates.render(), "", summary.render(), ""]
-    if not plan.sizings:
+    if not plan.compulsory_hit_rate:
+        lines.append("no chunk of this trace is looked up twice: no tier of any size has a hit, so none is sized")
+    elif not plan.sizings:
         lines.append("no policy reaches the targets on this grid")
     for sizing in plan.sizings:
         lines.append(

@@ -183,7 +183,10 @@ def _size(
     chunk_bytes: int,
 ) -> Sizing | None:
     """The curve that reaches ``target`` at the smallest grid capacity, refined by
-    bisection between that capacity and the one before; ``None`` if none reaches it."""
+    bisection between that capacity and the one before; ``None`` if none reaches it, or
+    if the target is 0 (a trace with no reuse), which needs no tier."""
+    if target <= 0:
+        return None
     reached = [
         (j, -curve.hit_rates[j], curve.name)
         for curve in curves

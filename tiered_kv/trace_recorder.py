@@ -17,12 +17,14 @@ the namespace's chunk size.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import msgspec
 
+from tiered_kv.arguments import require_keys
 from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import ChunkKey
@@ -69,11 +71,21 @@ class TraceRecorder:
         (``prompt_tokens // chunk_tokens`` of them, as :func:`tiered_kv.chunk_keys` gives)."""
         if not is_int_at_least(prompt_tokens, 1) or not is_int_at_least(output_tokens, 0):
             raise ConfigError(f"bad token counts {prompt_tokens!r}, {output_tokens!r}", field="prompt_tokens")
+        keys = tuple(keys)
+        require_keys(keys)
+        if len(keys) > prompt_tokens // self.chunk_tokens:
+            raise ConfigError(
+                f"{len(keys)} chunk keys for {prompt_tokens} tokens: more chunks of {self.chunk_tokens} than fit",
+                field="keys",
+            )
+        elapsed_ms = (self._clock() - self._start) * 1e3
+        if not math.isfinite(elapsed_ms) or elapsed_ms < 0:
+            raise ConfigError(f"the clock gave {elapsed_ms!r} ms since the recorder started", field="clock")
         request = TraceRequest(
             workload="recorded",
-            keys=tuple(keys),
+            keys=keys,
             prompt_tokens=prompt_tokens,
-            arrival_ms=round((self._clock() - self._start) * 1e3, 3),
+            arrival_ms=round(elapsed_ms, 3),
             output_tokens=output_tokens,
         )
         line = trace_line(request, self._ids, block_tokens=self.chunk_tokens)

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tiered_kv.cli_errors import positive_int_up_to
+from tiered_kv.cli_errors import UsageError, positive_int_up_to
 from tiered_kv.errors import TraceFormatError
 from tiered_kv.trace_file import MOONCAKE_BLOCK_TOKENS, FileTrace, TraceText, parse_lines, read_trace_text
 from tiered_kv.traces import CHUNK_TOKENS, MAX_CHUNK_TOKENS
@@ -38,14 +38,12 @@ def add_trace_arguments(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument(
         "--trace-block-tokens",
         type=positive_int_up_to(MAX_CHUNK_TOKENS),
-        default=MOONCAKE_BLOCK_TOKENS,
         metavar="N",
         help=f"tokens per hash id in --trace (default {MOONCAKE_BLOCK_TOKENS}); mapped onto --trace-chunk-tokens",
     )
     parser.add_argument(
         "--trace-chunk-tokens",
         type=positive_int_up_to(MAX_CHUNK_TOKENS),
-        default=CHUNK_TOKENS,
         metavar="N",
         help=f"tokens per offload chunk when replaying --trace (default {CHUNK_TOKENS}, the synthetic traces')",
     )
@@ -58,12 +56,33 @@ def bench_trace(args: argparse.Namespace) -> FileTrace | None:
     if it holds no request) and every later one, each section's, gets that trace."""
     text: TraceText | None = getattr(args, "trace", None)
     if text is None:
+        given = [flag for flag, value in _keying_options(args) if value is not None]
+        if given:
+            verb = "describe" if len(given) > 1 else "describes"
+            raise UsageError(f"{' and '.join(given)} {verb} a --trace file, which this run does not give")
         return None
     keyed: FileTrace | None = getattr(args, "keyed_trace", None)
     if keyed is None:
         keyed = args.keyed_trace = parse_lines(
-            text.lines, name=text.name, block_tokens=args.trace_block_tokens, chunk_tokens=args.trace_chunk_tokens
+            text.lines, name=text.name, block_tokens=trace_block_tokens(args), chunk_tokens=trace_chunk_tokens(args)
         )
         if keyed.bad_lines:
             print(keyed.describe_bad_lines(), file=sys.stderr)
     return keyed
+
+
+def _keying_options(args: argparse.Namespace) -> list[tuple[str, int | None]]:
+    return [
+        ("--trace-block-tokens", getattr(args, "trace_block_tokens", None)),
+        ("--trace-chunk-tokens", getattr(args, "trace_chunk_tokens", None)),
+    ]
+
+
+def trace_block_tokens(args: argparse.Namespace) -> int:
+    """Tokens per hash id of the ``--trace`` file."""
+    return args.trace_block_tokens or MOONCAKE_BLOCK_TOKENS
+
+
+def trace_chunk_tokens(args: argparse.Namespace) -> int:
+    """Tokens per chunk a ``--trace`` file is replayed in."""
+    return args.trace_chunk_tokens or CHUNK_TOKENS

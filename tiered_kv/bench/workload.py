@@ -38,7 +38,7 @@ from tiered_kv.bench import SectionResult
 from tiered_kv.bench.models import model_from_args
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import WorkloadFigures, WorkloadTrace
-from tiered_kv.bench.trace_option import bench_trace
+from tiered_kv.bench.trace_option import bench_trace, trace_chunk_tokens
 from tiered_kv.cli_errors import positive_float, positive_int
 from tiered_kv.config import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, TieredKVConfig, WritePolicy
 from tiered_kv.keys import ChunkKey
@@ -94,7 +94,7 @@ class WorkloadSection:
 
     def run(self, args: argparse.Namespace, progress: Progress) -> SectionResult:
         # The synthetic traces' chunks are CHUNK_TOKENS; a trace file's, --trace-chunk-tokens.
-        chunk_tokens = CHUNK_TOKENS if args.trace is None else args.trace_chunk_tokens
+        chunk_tokens = CHUNK_TOKENS if args.trace is None else trace_chunk_tokens(args)
         namespace = model_from_args(args, self.model).namespace(chunk_tokens)
         geometry = namespace.geometry
         trace = bench_trace(args)
