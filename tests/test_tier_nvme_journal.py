@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_namespace
@@ -21,6 +24,7 @@ from structlog.testing import capture_logs
 from tiered_kv.errors import CorruptChunk, TierError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.namespace import Namespace
+from tiered_kv.tiers import nvme_journal
 from tiered_kv.tiers.nvme import NvmeTier
 from tiered_kv.tiers.nvme_files import read_file
 from tiered_kv.tiers.nvme_format import HEADER_BYTES
@@ -346,3 +350,44 @@ def test_a_slot_map_file_is_read_whole_in_pieces(tmp_path: Path, size: int) -> N
         assert bytes(read_file(dir_fd, "file", str(tmp_path / "file"))) == data
     finally:
         os.close(dir_fd)
+
+
+async def test_the_event_loop_runs_between_the_steps_of_building_a_recovered_map_in_a_driver_thread() -> None:
+    """Regression: a warm restart built the key → slot map of its chunks in the driver's
+    thread in steps that hold the interpreter lock, and the event loop's thread got the
+    lock back only when the interpreter forced a switch (every 5 ms): tens of stalls of
+    5 ms and more while a million chunks came back. Here the interpreter never forces a
+    switch; the loop must still run at every step."""
+    steps = 32
+    n = steps * nvme_journal._STEP
+    rng = np.random.default_rng(0)
+    records = np.zeros(n, dtype=nvme_journal.RECORD)
+    records["slot"] = np.arange(n)
+    records["live"] = 1
+    records["key"] = np.frombuffer(rng.bytes(n * 16), dtype="V16")
+    found = nvme_journal.replay(records, n)
+    working, done = threading.Event(), threading.Event()
+    ticks = 0
+
+    def in_thread() -> None:
+        working.set()
+        try:
+            assert len(nvme_journal.recovered_chunks(found)) == n
+        finally:
+            done.set()
+
+    async def tick() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            await asyncio.sleep(0)
+            ticks += working.is_set() and not done.is_set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        ticker = asyncio.create_task(tick())
+        await asyncio.to_thread(in_thread)
+        await ticker
+    finally:
+        sys.setswitchinterval(interval)
+    assert ticks >= steps // 2, f"the loop ran {ticks} times during {steps} steps"

@@ -36,6 +36,7 @@ import xxhash
 
 from tiered_kv._keytable import KeyInts
 from tiered_kv.log import get_logger
+from tiered_kv.tiers._driver import hand_over
 from tiered_kv.tiers.nvme_files import open_file, read_file, replace_file
 from tiered_kv.tiers.nvme_format import GroupFile, group_file
 
@@ -64,8 +65,9 @@ _HEADER_BYTES = _HEADER.size + _CHECK.size
 _RECORDS_PER_FRAME = 64
 _FRAMES_AT_LEAST = 64
 #: Entries per step of the loops over a whole slot map in Python-level calls that hold
-#: the interpreter (in a driver thread, the event loop waits for each step).
-_STEP = 1 << 14
+#: the interpreter lock (in a driver thread, which hands it over between steps: the event
+#: loop waits for at most one step, about half a millisecond).
+_STEP = 1 << 11
 
 log = get_logger("nvme")
 
@@ -340,6 +342,7 @@ def recovered_chunks(slot_map: SlotMap) -> KeyInts:
     for at in range(0, len(slot_map.slots), _STEP):
         keys, slots = slot_map.keys[at : at + _STEP].tolist(), slot_map.slots[at : at + _STEP].tolist()
         chunks.update(zip(keys, slots, strict=True))
+        hand_over()
     return chunks
 
 
