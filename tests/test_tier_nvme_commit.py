@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 from tiered_kv.errors import TierIOError
+from tiered_kv.tiers._driver import WorkerPool
 from tiered_kv.tiers.nvme_commit import GroupCommit
 
 WINDOW_S = 0.01
@@ -39,8 +39,9 @@ class Journal:
 
 @pytest.fixture
 def executor() -> Any:
-    with ThreadPoolExecutor(1) as pool:
-        yield pool
+    pool = WorkerPool("test", 1)
+    yield pool
+    pool.shutdown()
 
 
 async def test_a_sync_after_the_host_cancelled_the_idle_committer_commits_everything(executor: Any) -> None:

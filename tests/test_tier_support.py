@@ -4,15 +4,19 @@ the nvme slot header."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import random
+import subprocess
+import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures.thread import BrokenThreadPool
+import weakref
+from collections.abc import Iterator
 
 import pytest
 
 from tiered_kv.errors import CorruptChunk
-from tiered_kv.tiers._driver import in_threads, settle, split, thread_parts
+from tiered_kv.tiers._driver import WorkerPool, in_threads, settle, split, thread_parts
 from tiered_kv.tiers.nvme_format import (
     MAX_KEY_BYTES,
     pack_header,
@@ -23,6 +27,15 @@ from tiered_kv.tiers.nvme_format import (
 FINGERPRINT = bytes(range(32))
 
 
+@contextlib.contextmanager
+def pool_of(workers: int) -> Iterator[WorkerPool]:
+    pool = WorkerPool("test", workers)
+    try:
+        yield pool
+    finally:
+        pool.shutdown()
+
+
 async def test_a_cancelled_wait_returns_only_once_the_work_is_done() -> None:
     release = threading.Event()
     finished = []
@@ -31,7 +44,7 @@ async def test_a_cancelled_wait_returns_only_once_the_work_is_done() -> None:
         release.wait(10)
         finished.append(True)
 
-    with ThreadPoolExecutor(1) as pool:
+    with pool_of(1) as pool:
         task = asyncio.ensure_future(in_threads(pool, work, [()]))
         await asyncio.sleep(0.01)
         task.cancel()
@@ -54,7 +67,7 @@ async def test_calls_not_started_when_cancelled_never_run() -> None:
         release.wait(10)
         ran.append(i)
 
-    with ThreadPoolExecutor(1) as pool:
+    with pool_of(1) as pool:
         task = asyncio.ensure_future(in_threads(pool, work, [(0,), (1,), (2,)]))
         assert await asyncio.to_thread(started.wait, 10)  # call 0 runs; 1 and 2 wait for the thread
         task.cancel()
@@ -75,7 +88,7 @@ async def test_an_error_is_raised_after_every_call_has_finished() -> None:
         finished.append(i)
         return i
 
-    with ThreadPoolExecutor(3) as pool:
+    with pool_of(3) as pool:
         with pytest.raises(OSError, match="first fails"):
             await in_threads(pool, work, [(0,), (1,), (2,)])
         assert sorted(finished) == [1, 2]
@@ -99,7 +112,7 @@ async def test_the_awaiting_task_resumes_a_turn_of_the_loop_after_the_last_call(
         at_end.append(turns[0])
 
     loop.call_soon(count)
-    with ThreadPoolExecutor(1) as pool:
+    with pool_of(1) as pool:
         await in_threads(pool, work, [()])
         resumed = turns[0]
     # Two turns: the loop counts the call finished, then runs the task (three at most, if
@@ -107,18 +120,20 @@ async def test_the_awaiting_task_resumes_a_turn_of_the_loop_after_the_last_call(
     assert resumed - at_end[0] <= 3
 
 
-class _RefusesAfter(ThreadPoolExecutor):
-    """An executor that takes ``n`` calls and then refuses, as one shut down does."""
+class _RefusesAfter(WorkerPool):
+    """A pool that takes ``n`` calls and then refuses, as one shut down does."""
+
+    __slots__ = ("left",)
 
     def __init__(self, n: int) -> None:
-        super().__init__(2)
+        super().__init__("test", 2)
         self.left = n
 
-    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def submit(self, call):  # type: ignore[no-untyped-def]
         if not self.left:
-            raise RuntimeError("cannot schedule new futures after shutdown")
+            raise RuntimeError("cannot schedule new calls after shutdown")
         self.left -= 1
-        return super().submit(fn, *args, **kwargs)
+        super().submit(call)
 
 
 async def test_a_refused_submission_raises_once_the_calls_it_started_have_finished() -> None:
@@ -128,64 +143,75 @@ async def test_a_refused_submission_raises_once_the_calls_it_started_have_finish
         threading.Event().wait(0.05)
         finished.append(i)
 
-    with _RefusesAfter(2) as pool:
-        with pytest.raises(RuntimeError, match="after shutdown"):
-            await in_threads(pool, work, [(0,), (1,), (2,)])
-        assert sorted(finished) == [0, 1]
+    pool = _RefusesAfter(2)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        await in_threads(pool, work, [(0,), (1,), (2,)])
+    assert sorted(finished) == [0, 1]
+    pool.shutdown()
 
 
-async def test_calls_the_executor_cancels_or_fails_before_they_run_are_errors_not_hangs() -> None:
-    """Regression (adversarial review): a call counted finished only when it ran, so one
-    whose future the executor ended without running it left the wait hanging: a shutdown
-    with ``cancel_futures``, a pool whose threads fail to start (``BrokenThreadPool``)."""
-
-    def work(i: int) -> int:
-        threading.Event().wait(0.05)
-        return i
-
-    pool = ThreadPoolExecutor(1)
-    task = asyncio.ensure_future(in_threads(pool, work, [(0,), (1,), (2,)]))
-    await asyncio.sleep(0.01)  # call 0 runs, 1 and 2 are queued
-    pool.shutdown(wait=False, cancel_futures=True)
-    with pytest.raises(RuntimeError, match="cancelled the call before it ran"):
-        await asyncio.wait_for(task, 5)
+async def test_calls_a_worker_thread_that_could_not_start_takes_fail_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread whose start-up fails (torch's thread setting, say) fails each call it
+    takes with the reason: no call waits for a thread that is gone."""
 
     def cannot_start() -> None:
         raise ValueError("no thread for you")
 
-    with ThreadPoolExecutor(1, initializer=cannot_start) as broken, pytest.raises(BrokenThreadPool):
-        await asyncio.wait_for(in_threads(broken, work, [(0,)]), 5)
+    pool = WorkerPool("test", 1, init=cannot_start)
+    with pytest.raises(RuntimeError, match="could not start: ValueError") as raised:
+        await asyncio.wait_for(in_threads(pool, lambda i: i, [(0,), (1,)]), 5)
+    assert isinstance(raised.value.__cause__, ValueError)
+    pool.shutdown()
 
 
-class _QueuesThenRaises(ThreadPoolExecutor):
-    """Queues its second call and then raises, as ``submit`` does when it cannot start a
-    thread for it."""
-
-    def __init__(self) -> None:
-        super().__init__(1)
-        self.calls = 0
-
-    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
-        self.calls += 1
-        future = super().submit(fn, *args, **kwargs)
-        if self.calls == 2:
-            raise RuntimeError("can't start new thread")
-        return future
-
-
-async def test_a_call_queued_by_a_submission_that_failed_never_runs_after_the_wait() -> None:
+async def test_a_pool_shut_down_runs_what_it_queued_then_refuses() -> None:
+    release = threading.Event()
     ran: list[int] = []
 
-    def work(i: int) -> None:
-        threading.Event().wait(0.05)
+    def work(i: int) -> int:
+        release.wait(10)
         ran.append(i)
+        return i
 
-    with _QueuesThenRaises() as pool:
-        with pytest.raises(RuntimeError, match="can't start"):
-            await in_threads(pool, work, [(0,), (1,)])
-        assert ran == [0]
-        await asyncio.sleep(0.1)  # the worker takes call 1 from its queue: dropped, it does not run
-    assert ran == [0]
+    pool = WorkerPool("test", 1)
+    task = asyncio.ensure_future(in_threads(pool, work, [(0,), (1,), (2,)]))
+    await asyncio.sleep(0.01)
+    pool.shutdown(wait=False)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        await in_threads(pool, work, [(3,)])
+    release.set()
+    assert await asyncio.wait_for(task, 5) == [0, 1, 2]
+    await asyncio.to_thread(pool.shutdown)  # waits for its threads: they have ended
+    assert ran == [0, 1, 2]
+
+
+def test_a_pool_dropped_without_a_shutdown_ends_its_threads() -> None:
+    pool = WorkerPool("dropped", 2)
+    threads = list(pool._threads)
+    ref = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert ref() is None
+    for thread in threads:
+        thread.join(5)
+        assert not thread.is_alive()
+
+
+def test_the_interpreter_exits_with_a_pool_nobody_shut_down() -> None:
+    """Its threads are not daemons (a copy is never cut off at exit); an exit hook ends
+    them, as concurrent.futures does for its executors."""
+    code = (
+        "import threading\n"
+        "from tiered_kv.tiers._driver import WorkerPool\n"
+        "pool = WorkerPool('left-open', 2)\n"
+        "done = []\n"
+        "pool.submit((type('B', (), {'run': lambda self, i, fn, args: done.append(fn(*args))})(), 0, len, ('ab',)))\n"
+        "print('exiting')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0 and result.stdout == "exiting\n", result.stderr
 
 
 async def test_a_cancellation_during_a_refused_submission_is_not_lost() -> None:
@@ -195,13 +221,14 @@ async def test_a_cancellation_during_a_refused_submission_is_not_lost() -> None:
     def work(i: int) -> None:
         threading.Event().wait(0.1)
 
-    with _RefusesAfter(1) as pool:
-        task = asyncio.ensure_future(in_threads(pool, work, [(0,), (1,)]))
-        await asyncio.sleep(0.02)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert task.cancelled()
+    pool = _RefusesAfter(1)
+    task = asyncio.ensure_future(in_threads(pool, work, [(0,), (1,)]))
+    await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled()
+    pool.shutdown()
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -228,24 +255,21 @@ async def test_random_calls_errors_and_cancellations_never_leave_a_call_running(
             raise OSError(f"call {i}")
         return i * 10
 
-    with ThreadPoolExecutor(rng.randint(1, 3)) as pool:
+    with pool_of(rng.randint(1, 3)) as pool:
         task = asyncio.ensure_future(in_threads(pool, work, [(i,) for i in range(n)]))
         cancels = rng.choice([0, 0, 1, 2])
         for _ in range(cancels):
             await asyncio.sleep(rng.choice([0.0, 0.002, 0.01]))
             task.cancel()
-        if rng.random() < 0.2:  # the executor drops what it has queued
+        if rng.random() < 0.2:  # the pool is shut down meanwhile: what it queued still runs
             await asyncio.sleep(rng.choice([0.0, 0.002, 0.01]))
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=False)
         try:
             result = await asyncio.wait_for(asyncio.shield(task), 10)
         except asyncio.CancelledError:
             result = None
         except OSError as exc:
             assert str(exc) == f"call {min(failing)}"
-            result = None
-        except RuntimeError as exc:
-            assert "cancelled the call before it ran" in str(exc)
             result = None
         with lock:
             assert not running, f"calls {running} still running after the wait ended"

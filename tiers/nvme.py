@@ -45,7 +45,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -61,6 +60,7 @@ from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
 from tiered_kv.tiers._driver import (
     PAGE,
+    WorkerPool,
     bytes_of,
     check_buffer,
     check_slots,
@@ -217,7 +217,7 @@ class NvmeTier(DriverBase):
         fd: int,
         lock_fd: int,
         direct: bool,
-        pool: ThreadPoolExecutor,
+        pool: WorkerPool,
         compact_every: int,
     ) -> None:
         super().__init__("nvme", slot_bytes, num_slots)

@@ -22,12 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from concurrent.futures import Executor
 from typing import Any
 
 from tiered_kv.errors import TierError, TierIOError
 from tiered_kv.log import get_logger
-from tiered_kv.tiers._driver import in_threads
+from tiered_kv.tiers._driver import WorkerPool, in_threads
 
 log = get_logger("nvme")
 
@@ -40,7 +39,7 @@ class GroupCommit:
     """Records gathered on the loop and committed by ``commit(records)`` in ``executor``
     once per ``window_s``; construct inside a running loop, :meth:`close` when done."""
 
-    def __init__(self, commit: Callable[[bytes], None], executor: Executor, window_s: float, *, name: str) -> None:
+    def __init__(self, commit: Callable[[bytes], None], executor: WorkerPool, window_s: float, *, name: str) -> None:
         if not window_s > 0:
             raise ValueError(f"the commit window must be positive, got {window_s}")
         self._commit = commit

@@ -28,7 +28,6 @@ import os
 import ssl
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -39,7 +38,7 @@ from tiered_kv.interfaces import RemoteTierStats, RemoteUsage, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
-from tiered_kv.tiers._driver import bytes_of, check_buffer, in_threads, settle, shutdown, split, worker_pool
+from tiered_kv.tiers._driver import WorkerPool, bytes_of, check_buffer, in_threads, settle, shutdown, split, worker_pool
 from tiered_kv.tiers.nvme_format import MAX_KEY_BYTES, payload_checksum
 from tiered_kv.tiers.remote_format import (
     header_bytes,
@@ -290,7 +289,7 @@ class RemoteTier(DriverBase):
         slot_bytes: int,
         num_slots: int,
         io_depth: int,
-        pool: ThreadPoolExecutor,
+        pool: WorkerPool,
     ) -> None:
         super().__init__("remote", slot_bytes, num_slots)
         self.nodes = nodes
@@ -395,7 +394,7 @@ class RemoteTier(DriverBase):
     async def survey(cls, config: RemoteTierConfig) -> list[RemoteUsage]:
         """:meth:`usage` of the deployment and prefix ``config`` names, without a driver
         open on it (``tiered-kv inspect --remote``)."""
-        pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-remote-survey")  # no torch: no worker_pool
+        pool = WorkerPool("remote-survey", 1)  # no torch: no worker_pool
         nodes: Nodes | None = None
         try:
             [settings] = await in_threads(pool, _settings, [(config,)])  # reads files: not on the loop
@@ -597,7 +596,7 @@ class RemoteTier(DriverBase):
                 raise
 
 
-async def _usage(pool: ThreadPoolExecutor, nodes: Nodes, prefix: bytes) -> list[RemoteUsage]:
+async def _usage(pool: WorkerPool, nodes: Nodes, prefix: bytes) -> list[RemoteUsage]:
     call = _Call()
     work = asyncio.ensure_future(in_threads(pool, _walk, [(nodes, prefix, call)]))
 
