@@ -48,7 +48,9 @@ _STORE_NAME = re.compile(r".+-[0-9a-f]{32}")
 
 def inspect_root(root: Path, *, verify: bool) -> Inspection:
     """Every store in ``root`` (or ``root`` itself when it is one); :class:`TierIOError`
-    when a directory or file cannot be read."""
+    when ``root`` cannot be read. A store's directory or file that cannot be read is a
+    problem of that store; a directory that cannot be listed and is not named like a store
+    is not one as far as anyone can tell, and is left out."""
     try:
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's path: followed
     except OSError as exc:
@@ -60,14 +62,13 @@ def inspect_root(root: Path, *, verify: bool) -> Inspection:
         for name, link in below:
             if link:
                 if _STORE_NAME.fullmatch(name):
-                    stores.append(_linked_store(root / name))
+                    stores.append(_refused_store(root / name, "it is a symbolic link: opening this store is refused"))
                 continue
-            fd = open_subdir(root_fd, name, str(root / name))
             try:
-                if _is_store(fd):
-                    stores.append(_inspect_store(fd, root / name, verify))
-            finally:
-                os.close(fd)
+                stores += _inspect_subdir(root_fd, root / name, verify)
+            except OSError as exc:
+                if _STORE_NAME.fullmatch(name):
+                    stores.append(_refused_store(root / name, _unreadable("the store directory", exc)))
     except OSError as exc:
         raise tier_error("nvme", f"cannot inspect {root}", exc) from exc
     finally:
@@ -85,15 +86,24 @@ def _is_store(dir_fd: int) -> bool:
     return NAMESPACE_FILE in names or bool(store_groups(names))
 
 
-def _linked_store(path: Path) -> StoreReport:
-    """A link where a store directory would be: a reopen refuses it, so nothing is read."""
-    return StoreReport(
-        directory=str(path),
-        namespace=None,
-        fingerprint=None,
-        groups=(),
-        problems=("it is a symbolic link: opening this store is refused",),
-    )
+def _inspect_subdir(root_fd: int, directory: Path, verify: bool) -> list[StoreReport]:
+    """The store in ``directory`` (a directory of the root), if it holds one; ``OSError``
+    when the directory itself cannot be opened or listed."""
+    fd = open_subdir(root_fd, directory.name, str(directory))
+    try:
+        return [_inspect_store(fd, directory, verify)] if _is_store(fd) else []
+    finally:
+        os.close(fd)
+
+
+def _refused_store(path: Path, problem: str) -> StoreReport:
+    """A store directory of which nothing is read: a link (a reopen refuses it), or one
+    that cannot be opened or listed."""
+    return StoreReport(directory=str(path), namespace=None, fingerprint=None, groups=(), problems=(problem,))
+
+
+def _unreadable(what: str, exc: OSError) -> str:
+    return f"{what} cannot be read ({exc.strerror or exc})"
 
 
 def _inspect_store(dir_fd: int, directory: Path, verify: bool) -> StoreReport:
@@ -105,6 +115,8 @@ def _inspect_store(dir_fd: int, directory: Path, verify: bool) -> StoreReport:
         pass
     except UnsafeStore as exc:
         problems.append(f"{NAMESPACE_FILE} {exc.reason}: opening this store is refused")
+    except OSError as exc:
+        problems.append(_unreadable(NAMESPACE_FILE, exc))
     except msgspec.DecodeError as exc:
         problems.append(f"{NAMESPACE_FILE} is not a namespace record: {exc}")
     layouts: tuple[KVGroup, ...] = ()
@@ -142,6 +154,8 @@ def _inspect_group(
         pass
     except UnsafeStore as exc:
         problems.append(f"{slots_name} {exc.reason}: opening this store is refused")
+    except OSError as exc:
+        problems.append(_unreadable(slots_name, exc))
     try:
         return _report_group(dir_fd, directory, group, layout, fingerprint, verify, slots_fd, file_bytes, problems)
     finally:
@@ -165,6 +179,9 @@ def _report_group(
         files = read_files(dir_fd, directory, group, fingerprint=fingerprint, slot_bytes=None, owner=False)
     except UnsafeStore as exc:
         problems.append(f"{Path(exc.path).name} {exc.reason}: opening this store is refused")
+    except OSError as exc:  # a failed open names its file, a failed read does not
+        named = Path(os.fsdecode(exc.filename)).name if exc.filename is not None else "the slot map"
+        problems.append(_unreadable(named, exc))
     if files is None or files.slot_bytes is None or files.fingerprint is None:
         return GroupReport(
             group=group,
