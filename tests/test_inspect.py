@@ -22,6 +22,7 @@ from conftest import make_namespace
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
 from tiered_kv.cli import main
+from tiered_kv.errors import UnsafeStore
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.registry import TIERS
 from tiered_kv.tiers.nvme import NvmeTier
@@ -427,7 +428,7 @@ OPEN_ERRNOS = (errno.EACCES, errno.EIO, errno.ENXIO, errno.EPERM, errno.EMFILE, 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize(
-    "target", ["", "namespace.json", "g0.slots", "g0.checkpoint", "g0.journal", "g1.slots", "g1.journal"]
+    "target", ["", "namespace.json", "g0.slots", "g0.checkpoint", "g0.journal", "g0.lock", "g1.slots", "g1.journal"]
 )
 async def test_any_path_of_a_store_that_cannot_be_opened_is_that_stores_damage_alone(
     store: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, target: str, seed: int
@@ -480,3 +481,43 @@ def test_a_directory_not_named_like_a_store_that_cannot_be_opened_is_left_out(
     code, report, document = inspect_cli(capsys, store, "--verify")
     assert code == 0 and damage_lines(report) == []
     assert [entry["directory"] for entry in document["stores"]] == [str(store_dir(store))]
+
+
+#: Write permission for group, others, or both: what register refuses.
+SHARED_BITS = (stat.S_IWGRP, stat.S_IWOTH, stat.S_IWGRP | stat.S_IWOTH)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize(
+    "target", ["root", "store", "namespace.json", "g0.slots", "g0.checkpoint", "g0.journal", "g0.lock", "g1.slots"]
+)
+async def test_inspect_reports_a_store_path_writable_by_others_that_register_refuses(
+    store: Path, capsys: pytest.CaptureFixture[str], target: str, seed: int
+) -> None:
+    """Regression: a store (or its root, or one of its files) that group or others may
+    write verified "all verify", exit 0, though opening it for use refuses it."""
+    path = {"root": store, "store": store_dir(store)}.get(target, store_dir(store) / target)
+    mode = stat.S_IMODE(path.stat().st_mode) | random.Random(seed).choice(SHARED_BITS)
+    path.chmod(mode)
+    code, report, _ = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    named = {"root": f"its root {store}", "store": "its directory"}.get(target, target)
+    where = f"group {target[1]}: " if target.startswith("g") else ""
+    problem = f"problem: {where}{named} is writable by group or others (mode {mode:04o}): opening this store is refused"
+    assert problem in damage_lines(report)
+    assert [line for line in damage_lines(report) if "writable" in line] == [problem]
+    with pytest.raises(UnsafeStore) as refused:  # and register refuses it for that very reason
+        await open_group(store, int(target[1]) if target.startswith("g") else 0)
+    assert problem.endswith(f"{refused.value.reason}: opening this store is refused")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a store to another user takes root")
+def test_another_users_store_is_read_whatever_its_modes(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Register's checks are relative to the user who opens the store: inspecting another
+    user's store (an operator looking at a server's) reads it in full."""
+    for path in [store_dir(store), *store_dir(store).iterdir()]:
+        os.chown(path, 4321, 4321)
+        path.chmod(stat.S_IMODE(path.stat().st_mode) | stat.S_IWGRP)
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    assert code == 0 and damage_lines(report) == []
+    assert [group["verified"] for group in document["stores"][0]["groups"]] == [CHUNKS[0], CHUNKS[1]]
