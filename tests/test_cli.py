@@ -22,7 +22,9 @@ from tiered_kv.bench.keys import KeysSection
 from tiered_kv.bench.report import Progress
 from tiered_kv.bench.schema import validate
 from tiered_kv.cli import build_parser, main
+from tiered_kv.log import get_logger
 from tiered_kv.registry import TIERS
+from tiered_kv.testing.valkey_server import free_port
 
 
 def tiered_kv_command(*args: str) -> subprocess.CompletedProcess[str]:
@@ -62,7 +64,7 @@ class BrokenSection:
 
 def _bench_args(sections: list[object], argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="error")
     add_bench_parser(parser.add_subparsers(dest="command"), sections=lambda: sections)  # type: ignore[arg-type,return-value]
     return parser.parse_args(argv)
 
@@ -457,3 +459,49 @@ def test_main_runs_in_a_thread_and_leaves_the_callers_signal_handlers_as_they_we
     assert codes == [0]
     assert main(["plan", "--synthetic", "chat", "--points", "2"]) == 0
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_an_unreachable_remote_is_one_line_on_stderr_and_exit_1() -> None:
+    """Regression: the remote tier's remote.unreachable warning (a server operator's
+    event) was printed before the command's one-line error, which already says why."""
+    result = tiered_kv_command("inspect", "--remote", f"redis://127.0.0.1:{free_port()}")
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith("tiered-kv inspect: error: remote: ") and "Connection refused" in line
+
+
+class _WarningThenFailingInspector:
+    """An nvme driver whose inspection emits an event at each level, then fails."""
+
+    @staticmethod
+    def inspect(root: object, *, verify: bool = False) -> object:
+        log = get_logger("nvme")
+        log.debug("probe.debug")
+        log.info("probe.info")
+        log.warning("probe.warning")
+        log.error("probe.error")
+        raise RuntimeError("the disk went away")
+
+
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [
+        ([], ["probe.error"]),
+        (["--log-level", "error"], ["probe.error"]),
+        (["--log-level", "warning"], ["probe.warning", "probe.error"]),
+        (["--log-level", "info"], ["probe.info", "probe.warning", "probe.error"]),
+        (["--log-level", "debug"], ["probe.debug", "probe.info", "probe.warning", "probe.error"]),
+    ],
+)
+def test_a_command_shows_warning_events_only_when_a_log_level_asks_for_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], shown: list[str]
+) -> None:
+    TIERS.register("nvme", _WarningThenFailingInspector)
+    try:
+        code = main([*options, "inspect", str(tmp_path)])
+    finally:
+        TIERS.unregister("nvme")
+    assert code == 1
+    err = capsys.readouterr().err
+    assert [event for event in ("probe.debug", "probe.info", "probe.warning", "probe.error") if event in err] == shown
+    assert err.splitlines()[-1].startswith("tiered-kv inspect: error: RuntimeError: the disk went away")

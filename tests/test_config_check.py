@@ -8,6 +8,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -171,3 +172,76 @@ def test_config_check_and_the_async_loader_answer_as_load_config(
         assert str(path) in captured.err
     else:
         assert code == 0 and captured.out.startswith(f"{path}: valid\n") and captured.err == ""
+
+
+#: Deeper than any parser's stack allows, and far within the size bound.
+DEEP = 100_000
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "reason"),
+    [
+        ("kv.toml", "[cpu]\ncapacity_bytes = " + "[" * DEEP + "]" * DEEP + "\n", "nested too deeply"),
+        ("kv.toml", "cpu = " + "{ a = " * DEEP + "1" + " }" * DEEP + "\n", "nested too deeply"),
+        ("kv.json", '{"cpu": {"capacity_bytes": ' + "[" * DEEP + "]" * DEEP + "}}", "Expected `int`, got `array`"),
+    ],
+)
+def test_config_check_of_a_deeply_nested_file_is_an_invalid_config_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str, reason: str
+) -> None:
+    """Regression: a TOML file nested a few hundred levels deep was 'error: RecursionError:
+    maximum recursion depth exceeded'. (JSON of a config's type was already refused at the
+    first value of the wrong type; the file is here so that both formats are held to it.)"""
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["config", "check", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.splitlines()
+    assert line.startswith(f"tiered-kv config check: {path}: ") and reason in line
+    with pytest.raises(ConfigError, match=f"^{path}: "):
+        asyncio.run(load_config_async(path))
+
+
+class _Extensions(msgspec.Struct, forbid_unknown_fields=True):
+    """A record with a free-form field, which a decoder follows to any depth."""
+
+    extensions: Any = None
+
+
+def test_a_deeply_nested_json_file_is_a_config_error_naming_the_nesting(tmp_path: Path) -> None:
+    """Regression: msgspec's JSON decoder raised RecursionError for a value nested deeper
+    than it follows (any field it does not refuse at once)."""
+    path = tmp_path / "kv.json"
+    path.write_text('{"extensions": ' + "[" * DEEP + "]" * DEEP + "}")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(path, _Extensions)
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        asyncio.run(load_config_async(path, _Extensions))
+
+
+@st.composite
+def _nested_document(draw: st.DrawFn) -> tuple[str, str]:
+    """A TOML or JSON document whose one value is arrays and tables nested to a random depth."""
+    suffix = draw(st.sampled_from([".toml", ".json"]))
+    depth = draw(st.integers(1, 3000))
+    pattern = draw(st.lists(st.booleans(), min_size=1, max_size=8))  # True: a table
+    kinds = (pattern * depth)[:depth]
+    opens = {".toml": ("[", "{ a = "), ".json": ("[", '{"a": ')}[suffix]
+    closes = {".toml": ("]", " }"), ".json": ("]", "}")}[suffix]
+    value = "".join(opens[k] for k in kinds) + "1" + "".join(closes[k] for k in reversed(kinds))
+    key = draw(st.sampled_from(["extensions", "cpu", "unknown"]))
+    return suffix, (f"{key} = {value}\n" if suffix == ".toml" else f'{{"{key}": {value}}}')
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(document=_nested_document(), type_=st.sampled_from([TieredKVConfig, _Extensions]))
+def test_a_nested_value_of_any_depth_loads_or_is_a_config_error(document: tuple[str, str], type_: Any) -> None:
+    suffix, text = document
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"kv{suffix}"
+        path.write_text(text)
+        try:
+            load_config(path, type_)
+        except ConfigError as exc:
+            assert str(exc).startswith(f"{path}: ") and "\n" not in str(exc)

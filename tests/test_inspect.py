@@ -3,11 +3,15 @@ corrupt, on stores written by the real nvme driver and then damaged behind its b
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import random
 import re
+import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ from conftest import make_namespace
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
 from tiered_kv.cli import main
+from tiered_kv.errors import UnsafeStore
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.registry import TIERS
 from tiered_kv.tiers.nvme import NvmeTier
@@ -371,3 +376,148 @@ async def test_names_read_from_a_store_are_printed_with_control_characters_escap
     assert code == 0 and "\x1b" not in report and "\r" not in report
     assert "model x\\x1b[2K\\rtotal: 1 store(s), 0 chunks: all verify\\nmodel ok  revision v2" in report
     assert document["stores"][0]["namespace"]["model_id"] == forged  # the JSON report keeps it as it is
+
+
+async def add_tiny_store(root: Path) -> Path:
+    """A second store in ``root``: one chunk of ``make_namespace()``'s group 0; its directory."""
+    tier = await open_group(root, 0, make_namespace())
+    await tier.write([TransferOp(buffer=payload(0, 0), key=key(0, 0), slot=0)])
+    await tier.close()
+    return root / make_namespace().dir_name
+
+
+def reports_of(document: dict[str, Any], directory: Path) -> dict[str, Any]:
+    [entry] = [entry for entry in document["stores"] if entry["directory"] == str(directory)]
+    return entry
+
+
+async def test_inspect_reports_every_readable_store_when_one_cannot_be_read(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: an OSError reading one store's file (here a socket planted as a
+    checkpoint: opening one fails with ENXIO, even for root) ended the whole inspection
+    with "cannot inspect", exit 2, and no store was reported."""
+    tiny = await add_tiny_store(store)
+    checkpoint = store_dir(store) / "g1.checkpoint"
+    checkpoint.unlink()
+    os.mknod(checkpoint, stat.S_IFSOCK | 0o600)
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    assert damage_lines(report) == ["problem: group 1: g1.checkpoint cannot be read (No such device or address)"]
+    assert reports_of(document, tiny)["groups"][0]["verified"] == 1
+    [group0, group1] = reports_of(document, store_dir(store))["groups"]
+    assert (group0["chunks"], group0["verified"], group1["chunks"]) == (CHUNKS[0], CHUNKS[0], 0)
+
+
+def failing_open(failing: Path, code: int) -> Callable[..., int]:
+    """``os.open``, but opening ``failing`` (however it is named) fails with errno ``code``."""
+    real_open = os.open
+
+    def open_failing(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        where = Path(os.readlink(f"/proc/self/fd/{dir_fd}")) / path if dir_fd is not None else Path(path)
+        if where == failing:
+            raise OSError(code, os.strerror(code), path)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    return open_failing
+
+
+#: What a failed open can say, whoever runs the inspection.
+OPEN_ERRNOS = (errno.EACCES, errno.EIO, errno.ENXIO, errno.EPERM, errno.EMFILE, errno.ESTALE)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    "target", ["", "namespace.json", "g0.slots", "g0.checkpoint", "g0.journal", "g0.lock", "g1.slots", "g1.journal"]
+)
+async def test_any_path_of_a_store_that_cannot_be_opened_is_that_stores_damage_alone(
+    store: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, target: str, seed: int
+) -> None:
+    """Whichever path of one store fails to open, with whichever error, the other store is
+    reported in full, and the failing one says which of its paths could not be read."""
+    tiny = await add_tiny_store(store)
+    code = random.Random(seed).choice(OPEN_ERRNOS)
+    failing = (store_dir(store) / target).resolve()
+    monkeypatch.setattr(os, "open", failing_open(failing, code))
+    exit_code, report, document = inspect_cli(capsys, store, "--verify")
+    assert exit_code == 1
+    named = "the store directory" if target == "" else target
+    where = f"group {target[1]}: " if target.startswith("g") else ""
+    problems = [line for line in damage_lines(report) if line.startswith("problem:")]
+    assert problems == [f"problem: {where}{named} cannot be read ({os.strerror(code)})"]
+    tiny_report = reports_of(document, tiny)
+    assert tiny_report["namespace"]["model_id"] == "acme/tiny" and tiny_report["problems"] == []
+    assert [(group["chunks"], group["verified"]) for group in tiny_report["groups"]] == [(1, 1)]
+    assert reports_of(document, store_dir(store))["directory"] == str(store_dir(store))
+
+
+@pytest.mark.parametrize(("target", "named"), [("namespace.json", "namespace.json"), ("g0.checkpoint", "the slot map")])
+async def test_a_store_file_whose_read_fails_is_that_stores_damage_alone(
+    store: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, target: str, named: str
+) -> None:
+    tiny = await add_tiny_store(store)
+    failing = (store_dir(store) / target).resolve()
+    real_readv = os.readv
+
+    def readv_failing_for_target(fd: int, buffers: Any) -> int:
+        if Path(os.readlink(f"/proc/self/fd/{fd}")) == failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_readv(fd, buffers)
+
+    monkeypatch.setattr(os, "readv", readv_failing_for_target)
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    where = "group 0: " if target.startswith("g0") else ""
+    assert damage_lines(report) == [f"problem: {where}{named} cannot be read (Input/output error)"]
+    assert [(group["chunks"], group["verified"]) for group in reports_of(document, tiny)["groups"]] == [(1, 1)]
+
+
+def test_a_directory_not_named_like_a_store_that_cannot_be_opened_is_left_out(
+    store: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem's lost+found, say, that only root may list: not a store, not damage."""
+    (store / "lost+found").mkdir()
+    monkeypatch.setattr(os, "open", failing_open((store / "lost+found").resolve(), errno.EACCES))
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    assert code == 0 and damage_lines(report) == []
+    assert [entry["directory"] for entry in document["stores"]] == [str(store_dir(store))]
+
+
+#: Write permission for group, others, or both: what register refuses.
+SHARED_BITS = (stat.S_IWGRP, stat.S_IWOTH, stat.S_IWGRP | stat.S_IWOTH)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize(
+    "target", ["root", "store", "namespace.json", "g0.slots", "g0.checkpoint", "g0.journal", "g0.lock", "g1.slots"]
+)
+async def test_inspect_reports_a_store_path_writable_by_others_that_register_refuses(
+    store: Path, capsys: pytest.CaptureFixture[str], target: str, seed: int
+) -> None:
+    """Regression: a store (or its root, or one of its files) that group or others may
+    write verified "all verify", exit 0, though opening it for use refuses it."""
+    path = {"root": store, "store": store_dir(store)}.get(target, store_dir(store) / target)
+    mode = stat.S_IMODE(path.stat().st_mode) | random.Random(seed).choice(SHARED_BITS)
+    path.chmod(mode)
+    code, report, _ = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    named = {"root": f"its root {store}", "store": "its directory"}.get(target, target)
+    where = f"group {target[1]}: " if target.startswith("g") else ""
+    problem = f"problem: {where}{named} is writable by group or others (mode {mode:04o}): opening this store is refused"
+    assert problem in damage_lines(report)
+    assert [line for line in damage_lines(report) if "writable" in line] == [problem]
+    with pytest.raises(UnsafeStore) as refused:  # and register refuses it for that very reason
+        await open_group(store, int(target[1]) if target.startswith("g") else 0)
+    assert problem.endswith(f"{refused.value.reason}: opening this store is refused")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a store to another user takes root")
+def test_another_users_store_is_read_whatever_its_modes(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Register's checks are relative to the user who opens the store: inspecting another
+    user's store (an operator looking at a server's) reads it in full."""
+    for path in [store_dir(store), *store_dir(store).iterdir()]:
+        os.chown(path, 4321, 4321)
+        path.chmod(stat.S_IMODE(path.stat().st_mode) | stat.S_IWGRP)
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    assert code == 0 and damage_lines(report) == []
+    assert [group["verified"] for group in document["stores"][0]["groups"]] == [CHUNKS[0], CHUNKS[1]]

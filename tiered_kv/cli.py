@@ -1,7 +1,9 @@
 """The ``tiered-kv`` command line: ``bench``, ``inspect``, ``config check``, ``plan``.
 
 The CLI is the one place that configures structlog (console or JSON lines on stderr);
-the library only emits events. No command shows a traceback unless ``--log-level debug``
+the library only emits events, and the CLI shows those below error level only when
+``--log-level`` asks: a server's warnings (a remote node unreachable, retried later)
+would repeat a command's failure line, which already says why. No command shows a traceback unless ``--log-level debug``
 asks for it: a usage error is one line and exit status 2, a failure one line with its
 reason and exit status 1 (:mod:`tiered_kv.cli_errors`).
 """
@@ -83,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
-        default="warning",
-        help="events shown on stderr (default warning); debug also shows a failure's traceback",
+        default="error",
+        help="events shown on stderr (default error: a failure's own line says why, so warnings such as a "
+        "remote node's retries are shown only when asked for); debug also shows a failure's traceback",
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_bench_parser(subparsers)

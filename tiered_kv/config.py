@@ -325,6 +325,8 @@ def _decode(data: bytes, suffix: str, source: str, type: type[T]) -> T:
         raise ConfigError(message, field=field, source=source) from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"not valid {suffix[1:].upper()}: {exc}", source=source) from exc
+    except RecursionError as exc:  # the decoders recurse per level of arrays and tables
+        raise ConfigError("nested too deeply to read: not a config file", source=source) from exc
     return config
 
 

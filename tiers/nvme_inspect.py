@@ -7,17 +7,24 @@ read in full and checked as a read checks it (:func:`verify_slot`), ``VERIFY_THR
 at a time, so a chunk reported corrupt is one the store would refuse to serve. Files are opened ``O_RDONLY``, no lock
 is taken and nothing is written, which is what lets a store in use be inspected. Below
 the inspected directory no link is followed: a link where a store keeps a file or its
-directory is reported as the damage it is (a reopen refuses it).
+directory is reported as the damage it is (a reopen refuses it). A store of this user's
+is held to the checks that opening it applies (:mod:`tiered_kv.tiers.nvme_files`): its
+root, directory or a file that group or others may write, or that another user owns, is
+reported as the refusal it is. Those checks are relative to the user who opens the
+store, so another user's store (a server's, inspected by an operator) is read whoever
+owns its files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -27,7 +34,7 @@ from tiered_kv.inspection import CorruptSlot, GroupReport, Inspection, StoreRepo
 from tiered_kv.layout import KVGroup
 from tiered_kv.namespace import Namespace
 from tiered_kv.tiers._driver import split, tier_error
-from tiered_kv.tiers.nvme_files import open_file, open_subdir, read_file
+from tiered_kv.tiers.nvme_files import _check, open_file, open_subdir, read_file
 from tiered_kv.tiers.nvme_format import (
     HEADER_BYTES,
     NAMESPACE_FILE,
@@ -40,6 +47,8 @@ from tiered_kv.tiers.nvme_format import (
 )
 from tiered_kv.tiers.nvme_journal import SlotMap, read_files, replay
 
+T = TypeVar("T")
+
 #: Threads that ``verify`` reads and checks chunks with.
 VERIFY_THREADS = 8
 #: A store directory's name: ``Namespace.dir_name``.
@@ -48,26 +57,29 @@ _STORE_NAME = re.compile(r".+-[0-9a-f]{32}")
 
 def inspect_root(root: Path, *, verify: bool) -> Inspection:
     """Every store in ``root`` (or ``root`` itself when it is one); :class:`TierIOError`
-    when a directory or file cannot be read."""
+    when ``root`` cannot be read. A store's directory or file that cannot be read is a
+    problem of that store; a directory that cannot be listed and is not named like a store
+    is not one as far as anyone can tell, and is left out."""
     try:
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's path: followed
     except OSError as exc:
         raise tier_error("nvme", f"cannot inspect {root}", exc) from exc
     try:
-        stores = [_inspect_store(root_fd, root, verify)] if _is_store(root_fd) else []
+        stores = [_inspect_store(root_fd, root, verify, ())] if _is_store(root_fd) else []
+        refused = _refused_dir(root_fd, root, f"its root {root}")  # as the root of the stores below
         with os.scandir(root_fd) as entries:
             below = sorted((entry.name, entry.is_symlink()) for entry in entries if entry.is_dir())
         for name, link in below:
             if link:
                 if _STORE_NAME.fullmatch(name):
-                    stores.append(_linked_store(root / name))
+                    problem = "it is a symbolic link: opening this store is refused"
+                    stores.append(_refused_store(root / name, (*refused, problem)))
                 continue
-            fd = open_subdir(root_fd, name, str(root / name))
             try:
-                if _is_store(fd):
-                    stores.append(_inspect_store(fd, root / name, verify))
-            finally:
-                os.close(fd)
+                stores += _inspect_subdir(root_fd, root / name, verify, refused)
+            except OSError as exc:
+                if _STORE_NAME.fullmatch(name):
+                    stores.append(_refused_store(root / name, (*refused, _unreadable("the store directory", exc))))
     except OSError as exc:
         raise tier_error("nvme", f"cannot inspect {root}", exc) from exc
     finally:
@@ -85,26 +97,83 @@ def _is_store(dir_fd: int) -> bool:
     return NAMESPACE_FILE in names or bool(store_groups(names))
 
 
-def _linked_store(path: Path) -> StoreReport:
-    """A link where a store directory would be: a reopen refuses it, so nothing is read."""
-    return StoreReport(
-        directory=str(path),
-        namespace=None,
-        fingerprint=None,
-        groups=(),
-        problems=("it is a symbolic link: opening this store is refused",),
-    )
-
-
-def _inspect_store(dir_fd: int, directory: Path, verify: bool) -> StoreReport:
-    problems: list[str] = []
-    namespace: Namespace | None = None
+def _inspect_subdir(root_fd: int, directory: Path, verify: bool, refused: tuple[str, ...]) -> list[StoreReport]:
+    """The store in ``directory`` (a directory of the root), if it holds one; ``OSError``
+    when the directory itself cannot be opened or listed. ``refused``: the root's problems."""
+    fd = open_subdir(root_fd, directory.name, str(directory))
     try:
-        namespace = decode_namespace(read_file(dir_fd, NAMESPACE_FILE, str(directory / NAMESPACE_FILE), owner=False))
+        return [_inspect_store(fd, directory, verify, refused)] if _is_store(fd) else []
+    finally:
+        os.close(fd)
+
+
+def _refused_store(path: Path, problems: tuple[str, ...]) -> StoreReport:
+    """A store directory of which nothing is read: a link (a reopen refuses it), or one
+    that cannot be opened or listed."""
+    return StoreReport(directory=str(path), namespace=None, fingerprint=None, groups=(), problems=problems)
+
+
+def _mine(fd: int) -> bool:
+    return os.fstat(fd).st_uid == os.geteuid()
+
+
+def _refused_dir(fd: int, path: Path, what: str) -> tuple[str, ...]:
+    """Why opening a store would refuse directory ``fd`` (its root, or its own directory),
+    by the check opening applies; nothing when the directory is another user's, whose
+    check that is."""
+    if not _mine(fd):
+        return ()
+    try:
+        _check(fd, str(path), directory=True, owner=True)
+    except UnsafeStore as exc:
+        return (_refusal(what, exc),)
+    return ()
+
+
+def _refusal(what: str, exc: UnsafeStore) -> str:
+    return f"{what} {exc.reason}: opening this store is refused"
+
+
+def _unreadable(what: str, exc: OSError) -> str:
+    return f"{what} cannot be read ({exc.strerror or exc})"
+
+
+def _reading(name: str, problems: list[str], read: Callable[[], T]) -> T | None:
+    """What ``read`` returns of store file ``name``; None when the file is absent, refused
+    (a link, shared) or unreadable, and then the latter two are added to ``problems``."""
+    try:
+        return read()
     except FileNotFoundError:
         pass
     except UnsafeStore as exc:
-        problems.append(f"{NAMESPACE_FILE} {exc.reason}: opening this store is refused")
+        problems.append(_refusal(name, exc))
+    except OSError as exc:
+        problems.append(_unreadable(name, exc))
+    return None
+
+
+def _open_or_report(store: _Store, name: str, problems: list[str]) -> int:
+    """File ``name`` of ``store`` opened for reading, or -1 (see :func:`_reading`)."""
+    fd = _reading(
+        name,
+        problems,
+        lambda: open_file(store.dir_fd, name, str(store.directory / name), os.O_RDONLY, owner=store.owner),
+    )
+    return -1 if fd is None else fd
+
+
+def _inspect_store(dir_fd: int, directory: Path, verify: bool, refused: tuple[str, ...]) -> StoreReport:
+    """``refused``: why its root is refused."""
+    problems = [*refused, *_refused_dir(dir_fd, directory, "its directory")]
+    owner = _mine(dir_fd)  # its files are held to the checks of opening it
+    namespace: Namespace | None = None
+    record = _reading(
+        NAMESPACE_FILE,
+        problems,
+        lambda: read_file(dir_fd, NAMESPACE_FILE, str(directory / NAMESPACE_FILE), owner=owner),
+    )
+    try:
+        namespace = decode_namespace(record) if record is not None else None
     except msgspec.DecodeError as exc:
         problems.append(f"{NAMESPACE_FILE} is not a namespace record: {exc}")
     layouts: tuple[KVGroup, ...] = ()
@@ -114,57 +183,58 @@ def _inspect_store(dir_fd: int, directory: Path, verify: bool) -> StoreReport:
             problems.append(f"its {NAMESPACE_FILE} belongs in {namespace.dir_name}: opening this store is refused")
     groups = sorted(set(store_groups(_names(dir_fd))) | set(range(len(layouts))))
     fingerprint = namespace.fingerprint if namespace is not None else None
+    store = _Store(dir_fd=dir_fd, directory=directory, fingerprint=fingerprint, verify=verify, owner=owner)
     return StoreReport(
         directory=str(directory),
         namespace=namespace,
         fingerprint=fingerprint.hex() if fingerprint is not None else None,
-        groups=tuple(
-            _inspect_group(dir_fd, directory, g, layouts[g] if g < len(layouts) else None, fingerprint, verify)
-            for g in groups
-        ),
+        groups=tuple(_inspect_group(store, g, layouts[g] if g < len(layouts) else None) for g in groups),
         problems=tuple(problems),
     )
 
 
-def _inspect_group(
-    dir_fd: int, directory: Path, group: int, layout: KVGroup | None, fingerprint: bytes | None, verify: bool
-) -> GroupReport:
-    """``fingerprint``: the namespace's, which the chunks must carry; None when unrecorded,
-    and then the slot map's is trusted."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Store:
+    """The store directory being inspected, as each of its KV groups is read."""
+
+    dir_fd: int
+    directory: Path
+    #: The namespace's, which the chunks must carry; None when unrecorded, and then the
+    #: slot map's is trusted.
+    fingerprint: bytes | None
+    verify: bool
+    #: Whether its files are held to the checks of opening it (it is this user's).
+    owner: bool
+
+
+def _inspect_group(store: _Store, group: int, layout: KVGroup | None) -> GroupReport:
     problems: list[str] = []
-    slots_name = group_file(group, "slots")
-    slots_fd = -1
-    file_bytes = 0
+    lock_fd = _open_or_report(store, group_file(group, "lock"), problems)  # checked, not taken
+    if lock_fd >= 0:
+        os.close(lock_fd)
+    slots_fd = _open_or_report(store, group_file(group, "slots"), problems)
+    file_bytes = os.fstat(slots_fd).st_size if slots_fd >= 0 else 0
     try:
-        slots_fd = open_file(dir_fd, slots_name, str(directory / slots_name), os.O_RDONLY, owner=False)
-        file_bytes = os.fstat(slots_fd).st_size
-    except FileNotFoundError:
-        pass
-    except UnsafeStore as exc:
-        problems.append(f"{slots_name} {exc.reason}: opening this store is refused")
-    try:
-        return _report_group(dir_fd, directory, group, layout, fingerprint, verify, slots_fd, file_bytes, problems)
+        return _report_group(store, group, layout, slots_fd, file_bytes, problems)
     finally:
         if slots_fd >= 0:
             os.close(slots_fd)
 
 
 def _report_group(
-    dir_fd: int,
-    directory: Path,
-    group: int,
-    layout: KVGroup | None,
-    fingerprint: bytes | None,
-    verify: bool,
-    slots_fd: int,
-    file_bytes: int,
-    problems: list[str],
+    store: _Store, group: int, layout: KVGroup | None, slots_fd: int, file_bytes: int, problems: list[str]
 ) -> GroupReport:
     files = None
+    fingerprint, verify = store.fingerprint, store.verify
     try:
-        files = read_files(dir_fd, directory, group, fingerprint=fingerprint, slot_bytes=None, owner=False)
+        files = read_files(
+            store.dir_fd, store.directory, group, fingerprint=fingerprint, slot_bytes=None, owner=store.owner
+        )
     except UnsafeStore as exc:
-        problems.append(f"{Path(exc.path).name} {exc.reason}: opening this store is refused")
+        problems.append(_refusal(Path(exc.path).name, exc))
+    except OSError as exc:  # a failed open names its file, a failed read does not
+        named = Path(os.fsdecode(exc.filename)).name if exc.filename is not None else "the slot map"
+        problems.append(_unreadable(named, exc))
     if files is None or files.slot_bytes is None or files.fingerprint is None:
         return GroupReport(
             group=group,
