@@ -64,7 +64,7 @@ class BrokenSection:
 
 def _bench_args(sections: list[object], argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--log-level", default="error")
+    parser.add_argument("--log-level", default="warning")
     add_bench_parser(parser.add_subparsers(dest="command"), sections=lambda: sections)  # type: ignore[arg-type,return-value]
     return parser.parse_args(argv)
 
@@ -505,3 +505,21 @@ def test_a_command_shows_warning_events_only_when_a_log_level_asks_for_them(
     err = capsys.readouterr().err
     assert [event for event in ("probe.debug", "probe.info", "probe.warning", "probe.error") if event in err] == shown
     assert err.splitlines()[-1].startswith("tiered-kv inspect: error: RuntimeError: the disk went away")
+
+
+@pytest.mark.parametrize(("command", "level"), [("bench", "warning"), ("plan", "warning"), ("inspect", "error")])
+def test_warnings_are_shown_by_default_except_by_inspect(
+    command: str, level: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bench's warnings (a filesystem without O_DIRECT, a damaged slot map) are news;
+    inspect's report says what it found, and a warning would only repeat its failure."""
+    configured: list[str] = []
+    monkeypatch.setattr("tiered_kv.cli.configure_logging", lambda fmt, chosen: configured.append(chosen))
+    argv = {
+        "bench": ["bench", "keys", "--key-tokens", "512", "--key-repeats", "1"],
+        "plan": ["plan", "--synthetic", "chat", "--scale", "0.02", "--points", "2", "--policies", "lru"],
+        "inspect": ["inspect", str(tmp_path)],
+    }[command]
+    main(argv)
+    main(["--log-level", "info", *argv])
+    assert configured == [level, "info"]

@@ -1,11 +1,12 @@
 """The ``tiered-kv`` command line: ``bench``, ``inspect``, ``config check``, ``plan``.
 
 The CLI is the one place that configures structlog (console or JSON lines on stderr);
-the library only emits events, and the CLI shows those below error level only when
-``--log-level`` asks: a server's warnings (a remote node unreachable, retried later)
-would repeat a command's failure line, which already says why. No command shows a traceback unless ``--log-level debug``
-asks for it: a usage error is one line and exit status 2, a failure one line with its
-reason and exit status 1 (:mod:`tiered_kv.cli_errors`).
+the library only emits events. ``--log-level`` defaults to warning, and to error for
+``inspect``, whose report says what it found: a driver's warnings meant for a server
+(a remote node unreachable, retried later) would only repeat its one-line failure. No
+command shows a traceback unless ``--log-level debug`` asks for it: a usage error is
+one line and exit status 2, a failure one line with its reason and exit status 1
+(:mod:`tiered_kv.cli_errors`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from tiered_kv.errors import TieredKVError
 from tiered_kv.inspect_command import add_inspect_parser
 from tiered_kv.plan_command import add_plan_parser
 
+#: ``--log-level`` when none is given, by command (else warning).
+DEFAULT_LOG_LEVELS = {"inspect": "error"}
 #: Exit status after Ctrl-C, as a shell reports a command killed by SIGINT.
 EXIT_INTERRUPTED = 130
 #: Ended by SIGTERM (128 + 15), after the same cleanup as an interrupt.
@@ -85,9 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
-        default="error",
-        help="events shown on stderr (default error: a failure's own line says why, so warnings such as a "
-        "remote node's retries are shown only when asked for); debug also shows a failure's traceback",
+        help="events shown on stderr (default warning; error for inspect, whose report says what it found); "
+        "debug also shows a failure's traceback",
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_bench_parser(subparsers)
@@ -121,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:  # named by the command they were given to, whose --help lists its options
         print(f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (see {prog} --help)", file=sys.stderr)
         return EXIT_USAGE
+    args.log_level = args.log_level or DEFAULT_LOG_LEVELS.get(args.command, "warning")
     configure_logging(args.log_format, args.log_level)
     terminated = _TermAsInterrupt()
     # Signal handlers belong to the main thread: a caller running main() in another
