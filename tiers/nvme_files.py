@@ -37,7 +37,7 @@ def _unsafe(path: str, reason: str) -> UnsafeStore:
     return UnsafeStore(path, reason, tier=_TIER)
 
 
-def _check(fd: int, path: str, *, directory: bool, owner: bool) -> os.stat_result:
+def check_safe(fd: int, path: str, *, directory: bool, owner: bool) -> os.stat_result:
     """The ``fstat`` of ``fd``, once it is a directory (or a regular file) that this user
     owns (when ``owner``) and that group and others cannot write."""
     st = os.fstat(fd)
@@ -92,7 +92,7 @@ def open_root(root: Path) -> int:
             fd = child
             if created:
                 os.fchmod(fd, OWNER_DIR)
-        _check(fd, str(root), directory=True, owner=True)
+        check_safe(fd, str(root), directory=True, owner=True)
     except BaseException:
         os.close(fd)
         raise
@@ -106,7 +106,7 @@ def open_store_dir(root_fd: int, name: str, path: str) -> int:
     _mkdir(root_fd, name)
     fd = _open_below(root_fd, name, path, _DIR_FLAGS)
     try:
-        st = _check(fd, path, directory=True, owner=True)
+        st = check_safe(fd, path, directory=True, owner=True)
         if stat.S_IMODE(st.st_mode) != OWNER_DIR:
             os.fchmod(fd, OWNER_DIR)
     except BaseException:
@@ -127,7 +127,7 @@ def open_file(dir_fd: int, name: str, path: str, flags: int, *, owner: bool = Tr
     writing it is made 0600; ``O_CREAT`` creates it 0600."""
     fd = _open_below(dir_fd, name, path, flags | os.O_NONBLOCK)  # a planted FIFO must not block the open
     try:
-        st = _check(fd, path, directory=False, owner=owner)
+        st = check_safe(fd, path, directory=False, owner=owner)
         os.set_blocking(fd, True)
         if flags & (os.O_WRONLY | os.O_RDWR) and stat.S_IMODE(st.st_mode) != OWNER_FILE:
             os.fchmod(fd, OWNER_FILE)

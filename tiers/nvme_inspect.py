@@ -34,7 +34,7 @@ from tiered_kv.inspection import CorruptSlot, GroupReport, Inspection, StoreRepo
 from tiered_kv.layout import KVGroup
 from tiered_kv.namespace import Namespace
 from tiered_kv.tiers._driver import split, tier_error
-from tiered_kv.tiers.nvme_files import _check, open_file, open_subdir, read_file
+from tiered_kv.tiers.nvme_files import check_safe, open_file, open_subdir, read_file
 from tiered_kv.tiers.nvme_format import (
     HEADER_BYTES,
     NAMESPACE_FILE,
@@ -124,7 +124,7 @@ def _refused_dir(fd: int, path: Path, what: str) -> tuple[str, ...]:
     if not _mine(fd):
         return ()
     try:
-        _check(fd, str(path), directory=True, owner=True)
+        check_safe(fd, str(path), directory=True, owner=True)
     except UnsafeStore as exc:
         return (_refusal(what, exc),)
     return ()
