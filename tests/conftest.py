@@ -2,9 +2,16 @@ from __future__ import annotations
 
 import pytest
 import structlog
+from hypothesis import HealthCheck, settings
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
 from tiered_kv.log import reset_loggers
+
+# Property tests assert on values, never on time: hypothesis's per-example deadline and its
+# "generating data is too slow" check fail them on a loaded machine (a CI runner, two test
+# runs side by side), which says nothing about the code.
+settings.register_profile("tiered-kv", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("tiered-kv")
 
 
 def make_namespace(**overrides: object) -> Namespace:
