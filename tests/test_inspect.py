@@ -521,3 +521,15 @@ def test_another_users_store_is_read_whatever_its_modes(store: Path, capsys: pyt
     code, report, document = inspect_cli(capsys, store, "--verify")
     assert code == 0 and damage_lines(report) == []
     assert [group["verified"] for group in document["stores"][0]["groups"]] == [CHUNKS[0], CHUNKS[1]]
+
+
+def test_a_store_whose_namespace_record_cannot_be_read_says_so_not_that_it_was_never_recorded(
+    store: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: an unreadable namespace.json was described as "namespace not recorded (a
+    store last opened before stores recorded it)", a store from an old version."""
+    monkeypatch.setattr(os, "open", failing_open((store_dir(store) / "namespace.json").resolve(), errno.EIO))
+    code, report, _ = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    assert "namespace unknown (see the problems below)" in report and "not recorded" not in report
+    assert any("namespace.json cannot be read" in line for line in damage_lines(report))

@@ -35,7 +35,6 @@ from tiered_kv.inspection import (
     RemoteInspection,
     StoreReport,
 )
-from tiered_kv.namespace import Namespace
 from tiered_kv.registry import TIERS
 
 #: Exit status when ``--verify`` found a corrupt chunk or damaged file.
@@ -162,7 +161,7 @@ def _render_store(store: StoreReport, verified: bool) -> str:
     headers = ["group", "kind", "layers", "kv heads", "head dim", "window", "slot bytes", "slots", "chunks"]
     headers += ["chunk bytes", "file bytes"] + (["verified"] if verified else [])
     table = Table(
-        title=f"store {printable(str(store.directory))}\n{printable(_describe(store.namespace))}",
+        title=f"store {printable(str(store.directory))}\n{printable(_describe(store))}",
         headers=headers,
         rows=[_group_row(group, verified) for group in store.groups],
         note="\n".join(map(printable, _damage(store))),
@@ -176,8 +175,11 @@ def printable(text: str) -> str:
     return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
 
 
-def _describe(namespace: Namespace | None) -> str:
+def _describe(store: StoreReport) -> str:
+    namespace = store.namespace
     if namespace is None:
+        if store.problems:  # its record was refused or unreadable, or the directory was
+            return "namespace unknown (see the problems below)"
         return "namespace not recorded (a store last opened before stores recorded it)"
     geometry = namespace.geometry
     tp = f"tp {namespace.tp_size}"
