@@ -42,14 +42,14 @@ class ARC:
 
     T1 and T2 are :class:`~tiered_kv._keytable.KeyOrder` tables (least recently used
     first, each key mapped to its predecessor); B1 and B2 are :class:`GhostQueue`s.
-    Resident keys plus ghosts never exceed ``2 * capacity``. The per-key steps of a store,
-    :meth:`insert` and the eviction of many keys, run in C over the same tables
-    (:class:`~tiered_kv._keytable.PrefixLists`, which also holds the target).
+    Resident keys plus ghosts never exceed ``2 * capacity``. The per-key steps of stores
+    and loads, :meth:`insert`, :meth:`touch` and the eviction of many keys, run in C over
+    the same tables (:class:`~tiered_kv._keytable.PrefixLists`, which also holds the target).
     ``clock`` and ``rng`` are accepted for the common constructor and unused.
     """
 
     name = "arc"
-    __slots__ = ("_b1", "_b2", "_links", "_lists", "_t1", "_t2", "capacity", "insert")
+    __slots__ = ("_b1", "_b2", "_links", "_lists", "_t1", "_t2", "capacity", "insert", "touch")
 
     def __init__(
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
@@ -70,6 +70,8 @@ class ARC:
         #: ``insert(key, parent=None)``: a key becomes resident (a ghost hit adapts the
         #: target and goes to T2; a new key goes to T1 and trims the ghosts, case IV).
         self.insert = self._lists.arc_insert
+        #: ``touch(key)``: a hit makes ``key`` the newest of T2 (from T1, or parked).
+        self.touch = self._lists.touch
 
     @property
     def target(self) -> float:
@@ -98,14 +100,6 @@ class ARC:
                 self.insert(key)
             return
         add_new(self._t1, keys, None, self._links.is_parked, self._t2)
-
-    def touch(self, key: ChunkKey) -> None:
-        t2 = self._t2
-        if key in t2:
-            t2.move_to_end(key)
-            return
-        parent = self._t1.pop(key, _ABSENT)
-        t2[key] = self._links.take_parked(key) if parent is _ABSENT else parent
 
     def remove(self, key: ChunkKey) -> None:
         self._links.unlink(key, self._take_out(key)[1])

@@ -28,7 +28,7 @@ class LRU:
     """
 
     name = "lru"
-    __slots__ = ("_links", "_lists", "_order", "capacity")
+    __slots__ = ("_links", "_lists", "_order", "capacity", "touch")
 
     def __init__(
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
@@ -37,6 +37,8 @@ class LRU:
         self._order = KeyOrder()
         self._links = PrefixLinks(self._release)
         self._lists = self._links.lists((self._order,), (0,))
+        #: ``touch(key)``: a hit makes ``key`` the most recently used (parked or not), in C.
+        self.touch = self._lists.touch
 
     def __len__(self) -> int:
         return len(self._order) + self._links.parked()
@@ -57,12 +59,6 @@ class LRU:
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         add_new(self._order, keys, None, self._links.is_parked)
-
-    def touch(self, key: ChunkKey) -> None:
-        try:
-            self._order.move_to_end(key)
-        except KeyError:
-            self._order[key] = self._links.take_parked(key)
 
     def remove(self, key: ChunkKey) -> None:
         self._links.unlink(key, self._take_out(key))

@@ -1,6 +1,7 @@
-"""LRU's and ARC's steps in C (:class:`~tiered_kv._keytable.PrefixLists`) against the Python
-they replaced: the same victims in the same order, and the same lists, ghosts, parked keys,
-successor counts and ARC target after every step of random traces."""
+"""LRU's and ARC's steps in C (:class:`~tiered_kv._keytable.PrefixLists`: evictions of many
+keys, ARC's insert, touch) against the Python they replaced: the same victims in the same
+order, and the same lists, ghosts, parked keys, successor counts and ARC target after
+every step of random traces."""
 
 from __future__ import annotations
 
@@ -157,6 +158,15 @@ def ref_arc_insert(arc: ARC, key: Key, parent: Key | None) -> None:
                 b2.pop_oldest()
 
 
+def ref_touch(policy: LRU | ARC, key: Key) -> None:
+    last = policy._t2 if isinstance(policy, ARC) else policy._order
+    if key in last:
+        last.move_to_end(key)
+        return
+    parent = policy._t1.pop(key, ABSENT) if isinstance(policy, ARC) else ABSENT
+    last[key] = policy._links.take_parked(key) if parent is ABSENT else parent  # type: ignore[assignment]
+
+
 # -- the comparison
 
 
@@ -210,7 +220,7 @@ def test_the_c_steps_decide_as_the_python_ones_did(make: type[LRU | ARC], seed: 
         elif roll < 0.92 and resident:
             key = rng.choice(resident)
             fast.touch(key)
-            ref.touch(key)
+            ref_touch(ref, key)
         elif resident:
             key = rng.choice(resident)
             fast.remove(key)

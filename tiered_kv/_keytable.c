@@ -966,6 +966,45 @@ list_index(Lists *l, long place)
     return place == l->places[0] ? 0 : l->nlists - 1;
 }
 
+static PyObject *
+contract_error(Lists *l, const char *format, PyObject *key)
+{
+    PyObject *hex = PyObject_CallMethod(key, "hex", NULL);
+    if (hex != NULL) {
+        PyErr_Format(l->error, format, hex);
+        Py_DECREF(hex);
+    }
+    return NULL;
+}
+
+/* Take ``key`` out of the parked keys: 1 with the list it was parked from and its
+ * predecessor (a new reference), 0 if it is not parked (an error when ``resident``: it
+ * was in none of the lists either), -1 on an error. */
+static int
+unpark(Lists *l, PyObject *key, int resident, long *place, PyObject **parent)
+{
+    PyObject *parked = PyDict_GetItemWithError(l->parked, key);
+    if (parked == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        if (resident) {
+            contract_error(l, "key %U is not resident", key);
+            return -1;
+        }
+        return 0;
+    }
+    Py_INCREF(parked);
+    *place = PyLong_AsLong(PyTuple_GET_ITEM(parked, 0));
+    *parent = Py_NewRef(PyTuple_GET_ITEM(parked, 1));
+    Py_DECREF(parked);
+    if ((*place == -1 && PyErr_Occurred()) || PyDict_DelItem(l->parked, key) < 0
+        || add_parked_count(l, *place, -1) < 0) {
+        Py_CLEAR(*parent);
+        return -1;
+    }
+    return 1;
+}
+
 /* ``key`` is no longer resident: one successor fewer for ``parent``; a parked ``parent``
  * left without successors returns to the old end of its list. */
 static int
@@ -987,44 +1026,27 @@ unlink_parent(Lists *l, PyObject *parent)
     PyObject *unused;
     long long ignored;
     pop_entry(l->successors, parent, hash, &unused, &ignored);
-    PyObject *parked = PyDict_GetItemWithError(l->parked, parent);
-    if (parked == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    Py_INCREF(parked);
-    int rc = -1;
-    if (PyDict_DelItem(l->parked, parent) == 0) {
-        long place = PyLong_AsLong(PyTuple_GET_ITEM(parked, 0));
-        if (!(place == -1 && PyErr_Occurred()) && add_parked_count(l, place, -1) == 0) {
-            Table *list = l->lists[list_index(l, place)];
-            PyObject *grandparent = PyTuple_GET_ITEM(parked, 1);
-            if (set_item(list, parent, grandparent) == 0) {
-                int32_t at = entry_of(list, parent, hash);
-                Entry *moved = ENTRY(list, at);
-                if (at != list->ends[0]) {
-                    unlink_order(list, at, moved);
-                    link_end(list, at, moved, 0);
-                    list->version++;
-                }
-                rc = 0;
-            }
-        }
+    long place;
+    PyObject *grandparent;
+    int parked = unpark(l, parent, 0, &place, &grandparent);
+    if (parked <= 0)
+        return parked;
+    Table *list = l->lists[list_index(l, place)];
+    int rc = set_item(list, parent, grandparent);
+    Py_DECREF(grandparent);
+    if (rc < 0)
+        return -1;
+    int32_t at = entry_of(list, parent, hash);
+    if (at != list->ends[0]) {
+        Entry *moved = ENTRY(list, at);
+        unlink_order(list, at, moved);
+        link_end(list, at, moved, 0);
+        list->version++;
     }
-    Py_DECREF(parked);
-    return rc;
+    return 0;
 }
 
 /* -- ARC's insert -------------------------------------------------------------------- */
-
-static PyObject *
-contract_error(Lists *l, const char *format, PyObject *key)
-{
-    PyObject *hex = PyObject_CallMethod(key, "hex", NULL);
-    if (hex != NULL) {
-        PyErr_Format(l->error, format, hex);
-        Py_DECREF(hex);
-    }
-    return NULL;
-}
 
 /* ARC's insert of a new key continuing ``parent`` (see policies/arc.py). */
 static PyObject *
@@ -1094,6 +1116,42 @@ lists_arc_insert(Lists *l, PyObject *const *args, Py_ssize_t nargs)
                 pop_oldest(b2);
         }
     }
+    Py_RETURN_NONE;
+}
+
+/* -- a hit ---------------------------------------------------------------------------- */
+
+/* touch(key): a hit on resident ``key`` makes it the newest of the last list (LRU's one
+ * list, ARC's T2), taken from the first list or from the parked keys if there. */
+static PyObject *
+lists_touch(Lists *l, PyObject *key)
+{
+    if (check_key(key) < 0)
+        return NULL;
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1)
+        return NULL;
+    Table *last = l->lists[l->nlists - 1];
+    int32_t at = entry_of(last, key, hash);
+    if (at) {
+        if (at != last->ends[1]) {
+            Entry *e = ENTRY(last, at);
+            unlink_order(last, at, e);
+            link_end(last, at, e, 1);
+            last->version++;
+        }
+        Py_RETURN_NONE;
+    }
+    PyObject *parent;
+    long long ignored;
+    long place;
+    if ((l->nlists == 1 || !pop_entry(l->lists[0], key, hash, &parent, &ignored))
+        && unpark(l, key, 1, &place, &parent) < 0)
+        return NULL;
+    int rc = append_new(last, key, hash, parent, 0);
+    Py_DECREF(parent);
+    if (rc < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -1397,21 +1455,9 @@ evict_one(Lists *l, PyObject *key)
             break;
     }
     if (w == l->nlists) {
-        PyObject *parked = PyDict_GetItemWithError(l->parked, key);
-        if (parked == NULL) {
-            if (!PyErr_Occurred())
-                contract_error(l, "key %U is not resident", key);
+        long place;
+        if (unpark(l, key, 1, &place, &parent) < 0)
             return -1;
-        }
-        Py_INCREF(parked);
-        long place = PyLong_AsLong(PyTuple_GET_ITEM(parked, 0));
-        parent = Py_NewRef(PyTuple_GET_ITEM(parked, 1));
-        Py_DECREF(parked);
-        if ((place == -1 && PyErr_Occurred()) || PyDict_DelItem(l->parked, key) < 0
-            || add_parked_count(l, place, -1) < 0) {
-            Py_DECREF(parent);
-            return -1;
-        }
         w = list_index(l, place);
     }
     Table *ghosts = l->ghosts[w];
@@ -1583,6 +1629,7 @@ lists_dealloc(Lists *l)
 static PyMethodDef lists_methods[] = {
     {"evict", (PyCFunction)(void (*)(void))lists_evict, METH_FASTCALL,
      "evict(n, protected): n (> 1) victims, taken out, or None changing nothing"},
+    {"touch", (PyCFunction)lists_touch, METH_O, "touch(key): a hit; key becomes the newest of the last list"},
     {"arc_insert", (PyCFunction)(void (*)(void))lists_arc_insert, METH_FASTCALL,
      "arc_insert(key, parent=None): ARC's insert of a new key"},
     {NULL, NULL},

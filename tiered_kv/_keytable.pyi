@@ -70,6 +70,9 @@ class PrefixLists:
         """``n`` (more than one) victims, leaves of the prefix tree first, taken out of
         the lists (into the ghosts, if any), or ``None`` changing nothing: policies/prefix.py's
         eviction walk, with ARC's choice between two lists by ``target``."""
+    def touch(self, key: bytes, /) -> None:
+        """A hit on resident ``key``: the newest of the last list (LRU's only list, ARC's
+        T2), taken from the first list or out of the parked keys."""
     def arc_insert(self, key: bytes, parent: bytes | None = None, /) -> None:
         """ARC's insert of a key not resident: a ghost hit adapts :attr:`target` and goes to
         the second list, a new key to the first, trimming the ghosts (case IV)."""
