@@ -390,19 +390,22 @@ class TierIndex:
 
     def pin_ready_run(self, keys: Sequence[ChunkKey], namespace: str) -> int:
         """Pin the leading run of ``keys`` READY for ``namespace``; how many (a load's
-        chunks already in cpu, in one call)."""
-        n = self.ready_run(keys, namespace, 0, len(keys))
-        slots, pins = self._slots, self._pins
-        for i in range(n):
-            slot = slots[keys[i]]
+        chunks already in cpu, in one call and one pass)."""
+        slot_of, state, names, pins = self._slots.get, self._state, self._namespace, self._pins
+        n = 0
+        for key in keys:
+            slot = slot_of(key)
+            if slot is None or state[slot] != READY or names[slot] != namespace:  # ready_for
+                break
             count = pins[slot]
             if count >= _MAX_COUNT:
-                for undo in range(i):
+                for undo in range(n):
                     self.unpin(keys[undo])
-                raise TieredKVError(f"{self.tier}: chunk {keys[i].hex()} has {count} pins already")
+                raise TieredKVError(f"{self.tier}: chunk {key.hex()} has {count} pins already")
             if not count:
                 self._pinned += 1
             pins[slot] = count + 1
+            n += 1
         return n
 
     def slots_of(self, keys: Sequence[ChunkKey]) -> list[int]:
@@ -431,13 +434,15 @@ class TierIndex:
         counts = []
         for key in keys:
             slot = slots[key]
-            owner = other.get(slot) or names[slot]
+            owner = (other.get(slot) or names[slot]) if other else names[slot]
             assert owner is not None
             if owner != touched_by:
                 touch, touched_by = policy_of(owner).touch, owner
             touch(key)
             if hits is not None:
-                count = min(hits[slot] + 1, _MAX_COUNT)
+                count = hits[slot] + 1
+                if count > _MAX_COUNT:
+                    count = _MAX_COUNT
                 hits[slot] = count
                 counts.append(count)
         return counts
