@@ -4,10 +4,12 @@ is ever evicted."""
 
 from __future__ import annotations
 
+import array
 import random
 
 import pytest
 
+from tiered_kv._keytable import Protection
 from tiered_kv.directory import PENDING, READY, LeaseEpoch, TierIndex
 from tiered_kv.errors import TieredKVError
 from tiered_kv.partition import TierPartition
@@ -202,3 +204,22 @@ def test_hit_counts_stop_at_the_most_they_count() -> None:
     for _ in range(65534):
         index.hit(key)
     assert index.hit_many([key, key]) == [65535, 65535]
+
+
+def test_an_eviction_passes_over_what_the_index_protects_and_nothing_else() -> None:
+    index, epoch = make(8)
+    keys = [i.to_bytes(16, "little") for i in range(7)]
+    assert index.reserve(keys[:6], TENANTS[0]) is not None
+    index.mark_ready_many(keys[:4])  # keys[4], keys[5]: PENDING
+    index.pin(keys[1])
+    index.lease(keys[2])
+    epoch.advance()
+    index.lease(keys[3])  # leased in this epoch; keys[2]'s lease has expired
+    protection = Protection(index._slots, index._state, index._pins, index._lease, epoch.value, None, None)
+    assert [protection(key) for key in keys] == [False, True, False, True, True, True, True]  # keys[6]: absent
+    keeping = Protection(index._slots, index._state, index._pins, None, -1, {keys[0]}, {keys[2]: 1})
+    assert [keeping(key) for key in keys[:4]] == [True, True, True, False]  # no leases: keys[3] may go
+    with pytest.raises(TypeError, match="'H' items"):
+        Protection(index._slots, index._state, array.array("i", [0]), None, -1, None, None)
+    del protection, keeping
+    index._state += b"\0"  # no buffer of it is left exported: a resize would raise BufferError

@@ -266,6 +266,11 @@ def test_prefix_lists_checks_its_tables() -> None:
         PrefixLists((order,), (3,), counts, {}, [0])
     with pytest.raises(TypeError, match="two lists"):
         PrefixLists((order,), (0,), counts, {}, [0]).arc_insert(chunk_key(0))
+    # Tables a policy broke are errors, never reads out of bounds.
+    with pytest.raises(TypeError, match="parked entry"):
+        PrefixLists((order,), (0,), counts, {chunk_key(1): "not a pair"}, [0]).touch(chunk_key(1))
+    with pytest.raises(IndexError, match="no place 5"):
+        PrefixLists((order,), (0,), counts, {chunk_key(1): (5, None)}, [0]).touch(chunk_key(1))
 
 
 @pytest.mark.parametrize("make", [LRU, ARC])

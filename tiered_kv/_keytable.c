@@ -939,16 +939,21 @@ pop_oldest(Table *t)
     Py_XDECREF(take(t, locate(t, e->key, e->hash), &ignored));
 }
 
+/* The count of keys parked from ``place`` (-1 with an error: not a place counted). */
 static Py_ssize_t
 parked_count(Lists *l, long place)
 {
+    if (place < 0 || place >= PyList_GET_SIZE(l->parked_at)) {
+        PyErr_Format(PyExc_IndexError, "parked_at counts no place %ld", place);
+        return -1;
+    }
     return PyLong_AsSsize_t(PyList_GET_ITEM(l->parked_at, place));
 }
 
 static int
 add_parked_count(Lists *l, long place, Py_ssize_t delta)
 {
-    Py_ssize_t now = PyLong_AsSsize_t(PyList_GET_ITEM(l->parked_at, place));
+    Py_ssize_t now = parked_count(l, place);
     if (now == -1 && PyErr_Occurred())
         return -1;
     PyObject *value = PyLong_FromSsize_t(now + delta);
@@ -956,6 +961,19 @@ add_parked_count(Lists *l, long place, Py_ssize_t delta)
         return -1;
     PyList_SetItem(l->parked_at, place, value); /* steals ``value`` */
     return 0;
+}
+
+/* The parked entry of ``key``, (place, predecessor) (borrowed); NULL, with an error only
+ * if there is one, when ``key`` is not parked. */
+static PyObject *
+parked_entry(Lists *l, PyObject *key)
+{
+    PyObject *parked = PyDict_GetItemWithError(l->parked, key);
+    if (parked != NULL && (!PyTuple_CheckExact(parked) || PyTuple_GET_SIZE(parked) != 2)) {
+        PyErr_SetString(PyExc_TypeError, "a parked entry must be a (place, predecessor) tuple");
+        return NULL;
+    }
+    return parked;
 }
 
 /* The list of place ``place`` (a place not the first is the second, as the policies
@@ -983,7 +1001,7 @@ contract_error(Lists *l, const char *format, PyObject *key)
 static int
 unpark(Lists *l, PyObject *key, int resident, long *place, PyObject **parent)
 {
-    PyObject *parked = PyDict_GetItemWithError(l->parked, key);
+    PyObject *parked = parked_entry(l, key);
     if (parked == NULL) {
         if (PyErr_Occurred())
             return -1;
@@ -1157,6 +1175,10 @@ lists_touch(Lists *l, PyObject *key)
 
 /* -- the eviction walk ---------------------------------------------------------------- */
 
+typedef struct Protection Protection;
+static PyTypeObject ProtectionType;
+static int protection_check(Protection *p, PyObject *key);
+
 typedef struct {
     long long rank;
     PyObject *key; /* owned */
@@ -1237,11 +1259,17 @@ pop_ready(Walk *w)
 static int
 is_protected(Eviction *ev, PyObject *key)
 {
-    PyObject *answer = PyObject_CallOneArg(ev->protected, key);
-    if (answer == NULL)
-        return -1;
-    int yes = PyObject_IsTrue(answer);
-    Py_DECREF(answer);
+    int yes;
+    if (Py_TYPE(ev->protected) == &ProtectionType) {
+        yes = protection_check((Protection *)ev->protected, key);
+    }
+    else {
+        PyObject *answer = PyObject_CallOneArg(ev->protected, key);
+        if (answer == NULL)
+            return -1;
+        yes = PyObject_IsTrue(answer);
+        Py_DECREF(answer);
+    }
     Lists *l = ev->lists;
     for (int i = 0; i < l->nlists; i++) {
         if (l->lists[i]->version != ev->versions[i]) {
@@ -1306,7 +1334,7 @@ walk_freed(Eviction *ev, int w, PyObject *key, Py_hash_t hash)
     long long rank;
     if (pop_entry(walk->passed, key, hash, &unused, &rank))
         return push_ready(walk, rank, key) < 0 ? -1 : 1;
-    PyObject *parked = PyDict_GetItemWithError(ev->lists->parked, key);
+    PyObject *parked = parked_entry(ev->lists, key);
     if (parked == NULL)
         return PyErr_Occurred() ? -1 : 0;
     long place = PyLong_AsLong(PyTuple_GET_ITEM(parked, 0));
@@ -1329,7 +1357,7 @@ parent_of(Lists *l, PyObject *key, Py_hash_t hash)
         if (at)
             return ENTRY(l->lists[i], at)->value.obj;
     }
-    PyObject *parked = PyDict_GetItemWithError(l->parked, key);
+    PyObject *parked = parked_entry(l, key);
     if (parked == NULL) {
         if (!PyErr_Occurred())
             PyErr_SetObject(PyExc_KeyError, key);
@@ -1653,6 +1681,137 @@ static PyTypeObject ListsType = {
     .tp_new = lists_new,
 };
 
+/* -- which keys an eviction passes over (tiered_kv/directory.py) --------------------- */
+
+/* A residency index's answer to "must this key stay?" for one eviction: a key it keeps
+ * for the store at hand (``kept``, ``keep``), one it does not hold, or one whose chunk is
+ * pinned, not READY, or leased in the current epoch. Read from the index's own arrays;
+ * the eviction walk asks it without a Python call. */
+struct Protection {
+    PyObject_HEAD
+    PyObject *slots; /* key -> slot: a KeyInts, or a dict (an index a warm restart took as it was) */
+    Table *table; /* ``slots`` if it is a KeyInts */
+    Py_buffer state, pins, lease; /* lease.obj == NULL: the tier takes no leases */
+    long long epoch;
+    PyObject *kept, *keep; /* NULL: none */
+};
+
+/* The state of a slot whose chunk can be read (directory.py's READY). */
+#define READY_STATE 2
+
+/* 1 if ``key`` must stay, 0 if it may go, -1 on an error. */
+static int
+protection_check(Protection *p, PyObject *key)
+{
+    int yes;
+    if (p->kept != NULL && (yes = PySequence_Contains(p->kept, key)) != 0)
+        return yes;
+    if (p->keep != NULL && (yes = PySequence_Contains(p->keep, key)) != 0)
+        return yes;
+    long long slot;
+    if (p->table != NULL) {
+        int32_t i = find(p->table, key);
+        if (i <= 0)
+            return i < 0 ? -1 : 1;
+        slot = ENTRY(p->table, i)->value.num;
+    }
+    else {
+        PyObject *value = PyDict_GetItemWithError(p->slots, key);
+        if (value == NULL)
+            return PyErr_Occurred() ? -1 : 1;
+        slot = PyLong_AsLongLong(value);
+        if (slot == -1 && PyErr_Occurred())
+            return -1;
+    }
+    if (slot < 0 || slot >= p->state.len || slot >= p->pins.len / 2 || (p->lease.obj && slot >= p->lease.len / 4)) {
+        PyErr_Format(PyExc_IndexError, "slot %lld is outside the index's arrays", slot);
+        return -1;
+    }
+    return ((uint16_t *)p->pins.buf)[slot] > 0 || ((unsigned char *)p->state.buf)[slot] != READY_STATE
+           || (p->lease.obj != NULL && ((int32_t *)p->lease.buf)[slot] == p->epoch);
+}
+
+static PyObject *
+protection_call(Protection *p, PyObject *args, PyObject *kwargs)
+{
+    PyObject *key;
+    if (!PyArg_ParseTuple(args, "O:Protection", &key))
+        return NULL;
+    int yes = protection_check(p, key);
+    return yes < 0 ? NULL : PyBool_FromLong(yes);
+}
+
+/* A buffer of ``obj`` with items of ``format`` (one character); -1 with an error if not. */
+static int
+typed_buffer(PyObject *obj, const char *format, Py_ssize_t itemsize, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->itemsize != itemsize || view->format == NULL || strcmp(view->format, format) != 0) {
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        PyErr_Format(PyExc_TypeError, "expected an array of '%s' items", format);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+protection_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"slots", "state", "pins", "lease", "epoch", "kept", "keep", NULL};
+    PyObject *slots, *state, *pins, *lease, *kept, *keep;
+    long long epoch;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLOO:Protection", names, &slots, &state, &pins, &lease,
+                                     &epoch, &kept, &keep))
+        return NULL;
+    Protection *p = (Protection *)type->tp_alloc(type, 0);
+    if (p == NULL)
+        return NULL;
+    if (Py_TYPE(slots) == &KeyIntsType)
+        p->table = (Table *)slots;
+    else if (!PyDict_Check(slots)) {
+        PyErr_Format(PyExc_TypeError, "slots must be a KeyInts or a dict, not %.100s", Py_TYPE(slots)->tp_name);
+        Py_DECREF(p);
+        return NULL;
+    }
+    if (typed_buffer(state, "B", 1, &p->state) < 0
+        || typed_buffer(pins, "H", 2, &p->pins) < 0 || (lease != Py_None && typed_buffer(lease, "i", 4, &p->lease) < 0)) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    p->slots = Py_NewRef(slots);
+    p->epoch = epoch;
+    p->kept = kept == Py_None ? NULL : Py_NewRef(kept);
+    p->keep = keep == Py_None ? NULL : Py_NewRef(keep);
+    return (PyObject *)p;
+}
+
+static void
+protection_dealloc(Protection *p)
+{
+    Py_buffer *views[] = {&p->state, &p->pins, &p->lease};
+    for (int i = 0; i < 3; i++) {
+        if (views[i]->obj != NULL)
+            PyBuffer_Release(views[i]);
+    }
+    Py_XDECREF(p->slots);
+    Py_XDECREF(p->kept);
+    Py_XDECREF(p->keep);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyTypeObject ProtectionType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tiered_kv._keytable.Protection",
+    .tp_basicsize = sizeof(Protection),
+    .tp_dealloc = (destructor)protection_dealloc,
+    .tp_call = (ternaryfunc)protection_call,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Protection(slots, state, pins, lease, epoch, kept, keep): whether an eviction must pass a key over.",
+    .tp_new = protection_new,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "tiered_kv._keytable",
@@ -1664,14 +1823,15 @@ PyMODINIT_FUNC
 PyInit__keytable(void)
 {
     if (PyType_Ready(&IterType) < 0 || PyType_Ready(&KeyOrderType) < 0 || PyType_Ready(&KeyIntsType) < 0
-        || PyType_Ready(&ListsType) < 0)
+        || PyType_Ready(&ListsType) < 0 || PyType_Ready(&ProtectionType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "KeyOrder", (PyObject *)&KeyOrderType) < 0
         || PyModule_AddObjectRef(m, "KeyInts", (PyObject *)&KeyIntsType) < 0
-        || PyModule_AddObjectRef(m, "PrefixLists", (PyObject *)&ListsType) < 0) {
+        || PyModule_AddObjectRef(m, "PrefixLists", (PyObject *)&ListsType) < 0
+        || PyModule_AddObjectRef(m, "Protection", (PyObject *)&ProtectionType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,7 +1,8 @@
 """Types of tiered_kv/_keytable.c: tables of ``bytes`` keys in insertion order that grow
 in O(1) steps (no full rehash), outside the cyclic garbage collector."""
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from array import array
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import Generic, TypeVar, overload
 
 _D = TypeVar("_D")
@@ -76,3 +77,22 @@ class PrefixLists:
     def arc_insert(self, key: bytes, parent: bytes | None = None, /) -> None:
         """ARC's insert of a key not resident: a ghost hit adapts :attr:`target` and goes to
         the second list, a new key to the first, trimming the ghosts (case IV)."""
+
+class Protection:
+    """Whether an eviction must pass ``key`` over, read from a residency index's arrays:
+    a key in ``kept`` or ``keep``, one absent from ``slots`` (a KeyInts, or a dict a warm
+    restart handed over), or one whose slot is pinned
+    (``pins``), not READY (``state``) or leased in ``epoch`` (``lease``, if the tier takes
+    leases). :meth:`PrefixLists.evict` asks it without a Python call."""
+
+    def __init__(
+        self,
+        slots: KeyInts | dict[bytes, int],
+        state: bytearray,
+        pins: array[int],
+        lease: array[int] | None,
+        epoch: int,
+        kept: Container[bytes] | None,
+        keep: Container[bytes] | None,
+    ) -> None: ...
+    def __call__(self, key: bytes, /) -> bool: ...

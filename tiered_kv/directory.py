@@ -18,7 +18,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 import msgspec
 import numpy as np
 
-from tiered_kv._keytable import KeyInts
+from tiered_kv._keytable import KeyInts, Protection
 from tiered_kv.errors import TieredKVError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.partition import TierPartition
@@ -213,10 +213,17 @@ class TierIndex:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         # The new chunks' resident predecessors stay, and with them every chunk before them.
         kept = {parent for parent in map(parent_of, wanted) if parent is not None and parent in self._slots}
-        protected = (
-            self._is_protected
-            if not kept and not keep
-            else lambda key: key in kept or key in keep or self._is_protected(key)
+        leases, epoch = self._lease, self._epoch
+        # Those, and every chunk not READY, pinned or leased in this epoch: the eviction
+        # walk reads the index's arrays in C (a Python call per key passed it, before).
+        protected = Protection(
+            self._slots,
+            self._state,
+            self._pins,
+            leases if epoch is not None else None,
+            epoch.value if epoch is not None else -1,
+            kept or None,
+            keep or None,
         )
         victims = self._partition.make_room(owner, len(wanted), protected, self._parent_of)
         if victims is None:
@@ -250,15 +257,6 @@ class TierIndex:
 
     def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
         return self._parent[self._slots[key]]
-
-    def _is_protected(self, key: ChunkKey) -> bool:
-        slot = self._slots.get(key)
-        return (
-            slot is None
-            or self._pins[slot] > 0
-            or self._state[slot] != READY
-            or (self._lease is not None and self._epoch is not None and self._lease[slot] == self._epoch.value)
-        )
 
     # -- applying ----------------------------------------------------------------------
     def mark_ready(self, key: ChunkKey) -> None:
