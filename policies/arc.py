@@ -27,9 +27,9 @@ from typing import cast
 
 from tiered_kv._keytable import KeyOrder
 from tiered_kv.keys import ChunkKey
-from tiered_kv.policies._checks import add_new, check_capacity, check_count, check_new, duplicate, missing
+from tiered_kv.policies._checks import add_new, check_capacity, check_count, check_new, missing
 from tiered_kv.policies.ghost import GhostQueue
-from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
+from tiered_kv.policies.prefix import PrefixLinks
 
 #: Where a key lives, for parking: T1 (seen once recently) or T2 (seen at least twice).
 _T1, _T2 = 1, 2
@@ -42,12 +42,14 @@ class ARC:
 
     T1 and T2 are :class:`~tiered_kv._keytable.KeyOrder` tables (least recently used
     first, each key mapped to its predecessor); B1 and B2 are :class:`GhostQueue`s.
-    Resident keys plus ghosts never exceed ``2 * capacity``.
+    Resident keys plus ghosts never exceed ``2 * capacity``. The per-key steps of stores
+    and loads, :meth:`insert`, :meth:`touch` and the eviction of many keys, run in C over
+    the same tables (:class:`~tiered_kv._keytable.PrefixLists`, which also holds the target).
     ``clock`` and ``rng`` are accepted for the common constructor and unused.
     """
 
     name = "arc"
-    __slots__ = ("_b1", "_b2", "_links", "_t1", "_t2", "_target", "capacity")
+    __slots__ = ("_b1", "_b2", "_links", "_lists", "_t1", "_t2", "capacity", "insert", "touch")
 
     def __init__(
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
@@ -57,13 +59,24 @@ class ARC:
         self._t2 = KeyOrder()
         self._b1 = GhostQueue(capacity)
         self._b2 = GhostQueue(capacity)
-        self._target = 0.0
         self._links = PrefixLinks(self._release, places=3)
+        self._lists = self._links.lists(
+            (self._t1, self._t2),
+            (_T1, _T2),
+            ghosts=(self._b1.table, self._b2.table),
+            ghost_limit=capacity,
+            capacity=capacity,
+        )
+        #: ``insert(key, parent=None)``: a key becomes resident (a ghost hit adapts the
+        #: target and goes to T2; a new key goes to T1 and trims the ghosts, case IV).
+        self.insert = self._lists.arc_insert
+        #: ``touch(key)``: a hit makes ``key`` the newest of T2 (from T1, or parked).
+        self.touch = self._lists.touch
 
     @property
     def target(self) -> float:
         """How many resident keys ARC currently wants in T1 (the recency side), 0..capacity."""
-        return self._target
+        return self._lists.target
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2) + self._links.parked()
@@ -74,30 +87,11 @@ class ARC:
     def __repr__(self) -> str:
         return (
             f"<ARC {len(self)}/{self.capacity} t1={self._t1_size()} t2={len(self._t2) + self._links.parked(_T2)}"
-            f" b1={len(self._b1)} b2={len(self._b2)} target={self._target:.1f} parked={self._links.parked()}>"
+            f" b1={len(self._b1)} b2={len(self._b2)} target={self._lists.target:.1f} parked={self._links.parked()}>"
         )
 
     def _t1_size(self) -> int:
         return len(self._t1) + self._links.parked(_T1)
-
-    def insert(self, key: ChunkKey, parent: ChunkKey | None = None) -> None:
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        if key in t1 or key in t2 or self._links.is_parked(key):
-            raise duplicate(key)
-        if parent is not None:
-            self._links.link(key, parent)
-        if b1.has(key):
-            b1.hit(key)
-            self._target = min(float(self.capacity), self._target + max(1.0, len(b2) / (len(b1) + 1)))
-            t2[key] = parent
-        elif b2.has(key):
-            b2.hit(key)
-            self._target = max(0.0, self._target - max(1.0, len(b1) / (len(b2) + 1)))
-            t2[key] = parent
-        else:
-            t1[key] = parent
-            if b1.size() or b2.size():
-                self._trim_ghosts()
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         if self._b1.size() or self._b2.size():  # a key may be a ghost, which insert moves to T2
@@ -106,27 +100,6 @@ class ARC:
                 self.insert(key)
             return
         add_new(self._t1, keys, None, self._links.is_parked, self._t2)
-
-    def _trim_ghosts(self) -> None:
-        """After a new key: keep |T1| + |B1| <= c, else the whole directory <= 2c (case IV)."""
-        b1, b2 = self._b1, self._b2
-        c = self.capacity
-        over = self._t1_size() + len(b1) - c
-        if over > 0:
-            for _ in range(min(over, len(b1))):
-                b1.pop_oldest()
-            return
-        over_all = over + len(self._t2) + self._links.parked(_T2) + len(b2) - c  # the directory above 2c
-        for _ in range(min(over_all, len(b2))):
-            b2.pop_oldest()
-
-    def touch(self, key: ChunkKey) -> None:
-        t2 = self._t2
-        if key in t2:
-            t2.move_to_end(key)
-            return
-        parent = self._t1.pop(key, _ABSENT)
-        t2[key] = self._links.take_parked(key) if parent is _ABSENT else parent
 
     def remove(self, key: ChunkKey) -> None:
         self._links.unlink(key, self._take_out(key)[1])
@@ -144,12 +117,6 @@ class ARC:
             raise missing(key)
         return parked
 
-    def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
-        parent = self._t1.get(key, _ABSENT)
-        if parent is _ABSENT:
-            parent = self._t2.get(key, _ABSENT)
-        return self._links.parked_parent(key) if parent is _ABSENT else parent
-
     def _release(self, key: ChunkKey, place: int, parent: ChunkKey | None) -> None:
         keys = self._t1 if place == _T1 else self._t2
         keys[key] = parent
@@ -158,8 +125,9 @@ class ARC:
     def evict(self, n: int, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
         """``n`` keys that may go, by ARC's replacement rule, moved to the ghost lists.
 
-        Victims are chosen by walking T1 and T2 from their old ends, and only then
-        removed, so a failure changes nothing. Costs O(n + p) for p keys passed over
+        Victims are chosen by walking T1 and T2 from their old ends (in C for more
+        than one, :meth:`PrefixLinks.lists`), and only then removed, so a failure
+        changes nothing. Costs O(n + p) for p keys passed over
         (protected, or parked for their successors); a failure has looked at every key.
         """
         check_count(n)
@@ -167,36 +135,16 @@ class ARC:
             return []
         if n > len(self):
             return None
-        t1, t2, links = self._t1, self._t2, self._links
         if n == 1:
             return self._evict_one(protected)
-        victims = Victims(links, self._parent_of, protected)
-        walks = {_T1: LeafWalk(t1, victims, _T1), _T2: LeafWalk(t2, victims, _T2)}
-        left_in_t1 = self._t1_size()
-        while len(victims) < n:
-            place = _T1 if left_in_t1 > 0 and left_in_t1 > self._target else _T2
-            key = walks[place].next()
-            if key is None:
-                place = _T2 if place == _T1 else _T1
-                key = walks[place].next()
-                if key is None:
-                    return None
-            if place == _T1:
-                left_in_t1 -= 1
-            freed = victims.take(key)
-            if freed is not None and not walks[_T1].freed(freed):
-                walks[_T2].freed(freed)
-        for place, walk in walks.items():
-            self._park(walk.passed(), place)
-        for key in victims.keys:
-            self._to_ghost(key)
-        return victims.keys
+        victims: list[ChunkKey] | None = self._lists.evict(n, protected)
+        return victims
 
     def _evict_one(self, protected: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:
         """:meth:`evict` of one key: the same rule without the bookkeeping of many."""
         first_leaf = self._links.first_leaf
         in_t1 = self._t1_size()
-        places = (_T1, _T2) if in_t1 > 0 and in_t1 > self._target else (_T2, _T1)
+        places = (_T1, _T2) if in_t1 > 0 and in_t1 > self._lists.target else (_T2, _T1)
         for place in places:
             key, passed = first_leaf(self._t1 if place == _T1 else self._t2, protected)
             if key is not None:

@@ -33,6 +33,11 @@ class GhostQueue:
         self.has: Callable[[object], bool] = self._keys.__contains__
         self.size: Callable[[], int] = self._keys.__len__
 
+    @property
+    def table(self) -> KeyOrder:
+        """The ghosts, oldest first, as the table itself (for a policy's steps in C)."""
+        return self._keys
+
     def __len__(self) -> int:
         return len(self._keys)
 

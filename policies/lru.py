@@ -10,7 +10,7 @@ from typing import cast
 from tiered_kv._keytable import KeyOrder
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import add_new, check_capacity, check_count, duplicate
-from tiered_kv.policies.prefix import LeafWalk, PrefixLinks, Victims
+from tiered_kv.policies.prefix import PrefixLinks
 
 #: Marks "not in the order" where a predecessor (a key or ``None``) is expected.
 _ABSENT = cast("ChunkKey | None", object())
@@ -28,7 +28,7 @@ class LRU:
     """
 
     name = "lru"
-    __slots__ = ("_links", "_order", "capacity")
+    __slots__ = ("_links", "_lists", "_order", "capacity", "touch")
 
     def __init__(
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
@@ -36,6 +36,9 @@ class LRU:
         self.capacity = check_capacity(capacity)
         self._order = KeyOrder()
         self._links = PrefixLinks(self._release)
+        self._lists = self._links.lists((self._order,), (0,))
+        #: ``touch(key)``: a hit makes ``key`` the most recently used (parked or not), in C.
+        self.touch = self._lists.touch
 
     def __len__(self) -> int:
         return len(self._order) + self._links.parked()
@@ -57,12 +60,6 @@ class LRU:
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         add_new(self._order, keys, None, self._links.is_parked)
 
-    def touch(self, key: ChunkKey) -> None:
-        try:
-            self._order.move_to_end(key)
-        except KeyError:
-            self._order[key] = self._links.take_parked(key)
-
     def remove(self, key: ChunkKey) -> None:
         self._links.unlink(key, self._take_out(key))
 
@@ -70,10 +67,6 @@ class LRU:
         """Drop ``key`` from the order, or from the parked keys; its predecessor."""
         parent = self._order.pop(key, _ABSENT)
         return self._links.take_parked(key) if parent is _ABSENT else parent
-
-    def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
-        parent = self._order.get(key, _ABSENT)
-        return self._links.parked_parent(key) if parent is _ABSENT else parent
 
     def _park(self, keys: list[ChunkKey]) -> None:
         """Take keys whose successors are resident out of the order until they leave."""
@@ -110,18 +103,5 @@ class LRU:
             return []
         if n > len(self):
             return None
-        victims = Victims(links, self._parent_of, protected)
-        walk = LeafWalk(order, victims)
-        while len(victims) < n:
-            key = walk.next()
-            if key is None:
-                return None
-            freed = victims.take(key)
-            if freed is not None:
-                walk.freed(freed)
-        self._park(walk.passed())
-        pop, unlink = order.pop, links.unlink
-        for key in victims.keys:  # unlink(key, _take_out(key)), one call each
-            parent = pop(key, _ABSENT)
-            unlink(key, links.take_parked(key) if parent is _ABSENT else parent)
-        return victims.keys
+        victims: list[ChunkKey] | None = self._lists.evict(n, protected)  # the same walk, in C
+        return victims

@@ -11,17 +11,17 @@ continue each key (a count kept for absent predecessors too, so a predecessor th
 arrives after its successors finds them). A key that reaches the old end of its
 policy's order while it still has successors is *parked*: taken out of the order, so
 that later evictions do not walk past it again, and put back at the old end (the next
-to go) when its last successor leaves. :class:`Victims` and :class:`LeafWalk` choose an
-eviction's victims from a policy's order without changing anything, so a policy commits
-them only when all ``n`` were found.
+to go) when its last successor leaves. An eviction chooses its victims without changing
+anything, so that a policy commits them only when all ``n`` were found: LRU and ARC walk
+their lists in C (:meth:`PrefixLinks.lists`, :class:`~tiered_kv._keytable.PrefixLists`),
+S3-FIFO its queues with :class:`Victims`.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable
 
-from tiered_kv._keytable import KeyInts
+from tiered_kv._keytable import KeyInts, KeyOrder, PrefixLists
 from tiered_kv.errors import PolicyError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import missing
@@ -103,8 +103,19 @@ class PrefixLinks:
         parked = self._parked.get(key)
         return None if parked is None else parked[0]
 
-    def parked_parent(self, key: ChunkKey) -> ChunkKey | None:
-        return self._parked[key][1]
+    def lists(
+        self,
+        lists: tuple[KeyOrder, ...],
+        places: tuple[int, ...],
+        ghosts: tuple[KeyOrder, ...] | None = None,
+        ghost_limit: int = 0,
+        capacity: int = 0,
+    ) -> PrefixLists:
+        """The eviction walk (and ARC's insert) in C over the policy's ``lists``, numbered
+        ``places``, and these links: see :class:`~tiered_kv._keytable.PrefixLists`."""
+        return PrefixLists(
+            lists, places, self._successors, self._parked, self._parked_at, ghosts, ghost_limit, capacity, PolicyError
+        )
 
     def first_leaf(
         self, keys: Iterable[ChunkKey], protected: Callable[[ChunkKey], bool]
@@ -126,18 +137,11 @@ class PrefixLinks:
 class Victims:
     """The victims one eviction call has chosen so far, and the keys they set free."""
 
-    __slots__ = ("_parent_of", "_successors", "_taken", "keys", "links", "protected")
+    __slots__ = ("_parent_of", "_successors", "_taken", "keys")
 
-    def __init__(
-        self,
-        links: PrefixLinks,
-        parent_of: Callable[[ChunkKey], ChunkKey | None],
-        protected: Callable[[ChunkKey], bool],
-    ) -> None:
-        self.links = links
+    def __init__(self, links: PrefixLinks, parent_of: Callable[[ChunkKey], ChunkKey | None]) -> None:
         self._parent_of = parent_of
         self._successors = links._successors  # read only: the counts of resident successors
-        self.protected = protected
         self.keys: list[ChunkKey] = []
         self._taken: dict[ChunkKey, int] = {}  # successors of a key among the victims
 
@@ -158,60 +162,3 @@ class Victims:
         taken = self._taken.get(parent, 0) + 1
         self._taken[parent] = taken
         return parent if taken == self._successors[parent] else None
-
-
-class LeafWalk:
-    """List ``place`` of a policy, oldest first, yielding the keys that may be evicted
-    now: unprotected, with no resident successor left.
-
-    A key passed over because it still has successors is remembered (to be parked if the
-    eviction succeeds); when the victims set it free, or free a key parked from this
-    list, that key comes next — before any key not yet reached, which is newer — oldest
-    first. The list must not change while the walk runs.
-    """
-
-    __slots__ = ("_keys", "_parked_rank", "_passed", "_place", "_ready", "_seen", "_victims")
-
-    def __init__(self, keys: Iterable[ChunkKey], victims: Victims, place: int = 0) -> None:
-        self._keys = iter(keys)
-        self._victims = victims
-        self._place = place
-        self._passed: dict[ChunkKey, int] = {}  # key -> its rank in the list
-        self._ready: list[tuple[int, ChunkKey]] = []
-        self._seen = 0
-        self._parked_rank = 0  # parked keys rank before every key of the list
-
-    def next(self) -> ChunkKey | None:
-        """The next key that may go, or ``None`` when the list has none left."""
-        if self._ready:
-            return heapq.heappop(self._ready)[1]
-        victims, passed = self._victims, self._passed
-        protected, successors, taken = victims.protected, victims._successors, victims._taken
-        seen = self._seen
-        for key in self._keys:
-            seen += 1
-            if protected(key):
-                continue
-            if key not in successors or successors[key] == taken.get(key, 0):  # Victims.is_free
-                self._seen = seen
-                return key
-            passed[key] = seen
-        self._seen = seen
-        return None
-
-    def freed(self, key: ChunkKey) -> bool:
-        """``key`` has lost its last successor to the victims; true if it belongs to this
-        walk (passed over, or parked from this list) and may go."""
-        rank = self._passed.pop(key, None)
-        if rank is None:
-            links = self._victims.links
-            if links.place_of(key) != self._place or self._victims.protected(key):
-                return False
-            self._parked_rank -= 1
-            rank = self._parked_rank
-        heapq.heappush(self._ready, (rank, key))
-        return True
-
-    def passed(self) -> list[ChunkKey]:
-        """The keys passed over that still have successors: to be parked."""
-        return list(self._passed)

@@ -182,7 +182,7 @@ class S3FIFO:
             return None
         small, main = self._small, self._main
         n_small, target = self._n_small, self._small_target
-        chosen = Victims(links, self._parents.get, protected)
+        chosen = Victims(links, self._parents.get)
         victims = chosen.keys
         leaving_small: list[ChunkKey] = []  # victims that become ghosts
         held: list[tuple[ChunkKey, int]] = []  # protected keys set aside, with their queue

@@ -4,10 +4,12 @@ is ever evicted."""
 
 from __future__ import annotations
 
+import array
 import random
 
 import pytest
 
+from tiered_kv._keytable import Protection
 from tiered_kv.directory import PENDING, READY, LeaseEpoch, TierIndex
 from tiered_kv.errors import TieredKVError
 from tiered_kv.partition import TierPartition
@@ -166,3 +168,58 @@ def test_a_warm_restart_that_misses_a_batch_or_starts_on_a_used_index_is_refused
     used.reserve([b"c" * 16], TENANTS[0])
     with pytest.raises(TieredKVError, match="empty index"):
         used.begin_restore({b"a" * 16: 0})
+
+
+def test_a_load_pins_the_leading_run_ready_for_its_namespace_and_stops_at_the_first_other() -> None:
+    index, _ = make(8)
+    keys = [i.to_bytes(16, "little") for i in range(5)]
+    assert index.reserve(keys[:3], TENANTS[0]) is not None
+    assert index.reserve(keys[3:4], TENANTS[1]) is not None
+    index.mark_ready_many(keys[:2] + keys[3:4])  # keys[2] stays PENDING
+    assert index.pin_ready_run(keys[:2] + keys[3:], TENANTS[0]) == 2  # keys[3]: another tenant's
+    assert index.pin_ready_run(keys, TENANTS[0]) == 2  # keys[2]: still PENDING
+    assert [index.pins(key) for key in keys[:4]] == [2, 2, 0, 0] and index.pinned == 2
+    assert index.pin_ready_run(keys[4:], TENANTS[0]) == 0  # not resident
+    index.check()
+
+
+def test_a_load_past_the_most_pins_a_chunk_counts_pins_nothing() -> None:
+    index, _ = make(4)
+    keys = [i.to_bytes(16, "little") for i in range(3)]
+    assert index.reserve(keys, TENANTS[0]) is not None
+    index.mark_ready_many(keys)
+    for _ in range(65535):
+        index.pin(keys[1])
+    with pytest.raises(TieredKVError, match="65535 pins already"):
+        index.pin_ready_run(keys, TENANTS[0])
+    assert [index.pins(key) for key in keys] == [0, 65535, 0] and index.pinned == 1
+    index.check()
+
+
+def test_hit_counts_stop_at_the_most_they_count() -> None:
+    index, _ = make(4)
+    key = (1).to_bytes(16, "little")
+    assert index.reserve([key], TENANTS[0]) is not None
+    index.mark_ready(key)
+    for _ in range(65534):
+        index.hit(key)
+    assert index.hit_many([key, key]) == [65535, 65535]
+
+
+def test_an_eviction_passes_over_what_the_index_protects_and_nothing_else() -> None:
+    index, epoch = make(8)
+    keys = [i.to_bytes(16, "little") for i in range(7)]
+    assert index.reserve(keys[:6], TENANTS[0]) is not None
+    index.mark_ready_many(keys[:4])  # keys[4], keys[5]: PENDING
+    index.pin(keys[1])
+    index.lease(keys[2])
+    epoch.advance()
+    index.lease(keys[3])  # leased in this epoch; keys[2]'s lease has expired
+    protection = Protection(index._slots, index._state, index._pins, index._lease, epoch.value, None, None)
+    assert [protection(key) for key in keys] == [False, True, False, True, True, True, True]  # keys[6]: absent
+    keeping = Protection(index._slots, index._state, index._pins, None, -1, {keys[0]}, {keys[2]: 1})
+    assert [keeping(key) for key in keys[:4]] == [True, True, True, False]  # no leases: keys[3] may go
+    with pytest.raises(TypeError, match="'H' items"):
+        Protection(index._slots, index._state, array.array("i", [0]), None, -1, None, None)
+    del protection, keeping
+    index._state += b"\0"  # no buffer of it is left exported: a resize would raise BufferError

@@ -15,9 +15,14 @@
  *
  * An entry takes 40 bytes and its bucket 4 to 8, against about 90 for an OrderedDict
  * entry and 75 for a dict entry with its int value.
+ *
+ * ``PrefixLists`` runs the per-key steps of a store in LRU and ARC (policies/) over their
+ * tables: the eviction walk that takes leaves of the prefix tree first, and ARC's insert.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -872,6 +877,941 @@ static PyTypeObject KeyOrderType = TABLE_TYPE(
 static PyTypeObject KeyIntsType = TABLE_TYPE(
     "KeyInts", "KeyInts(): bytes keys -> integers (64-bit), in insertion order, growing without a full rehash.");
 
+/* -- a policy's lists with prefix links: the eviction walk and ARC's insert --------- */
+
+/* The hot steps of a prefix-aware policy (see policies/prefix.py) over its own tables: one
+ * or two ordered lists of resident keys (key -> predecessor), their parked keys (a dict
+ * key -> (place, predecessor) and a list of counts per place), the count of resident
+ * successors of each key (a KeyInts), and for ARC its ghost lists and recency target.
+ * The Python policy keeps the same objects for its colder steps; this type holds
+ * references to them, none to the policy, so no cycle passes through it. */
+typedef struct {
+    PyObject_HEAD
+    int nlists;
+    Table *lists[2];
+    long places[2]; /* the policy's number of each list (what parked entries record) */
+    Table *ghosts[2]; /* NULL: no ghost lists */
+    Py_ssize_t ghost_limit;
+    Table *successors;
+    PyObject *parked; /* dict */
+    PyObject *parked_at; /* list of int, indexed by place */
+    PyObject *error; /* the exception type of a broken contract (a duplicate key) */
+    Py_ssize_t capacity;
+    double target;
+} Lists;
+
+static PyTypeObject ListsType;
+
+/* An entry of ``t`` for ``key`` (hash known), or 0. */
+static int32_t
+entry_of(Table *t, PyObject *key, Py_hash_t hash)
+{
+    int32_t *link = locate(t, key, hash);
+    return link == NULL ? 0 : *link;
+}
+
+/* Append absent ``key`` with ``value`` (a borrowed object, or NULL and a number). */
+static int
+append_new(Table *t, PyObject *key, Py_hash_t hash, PyObject *obj, long long num)
+{
+    if (make_room(t) < 0)
+        return -1;
+    append(t, key, hash, obj == NULL ? NULL : Py_NewRef(obj), num);
+    return 0;
+}
+
+/* Take ``key`` out of ``t`` if there; 1 with its value (a new reference) in *obj, else 0. */
+static int
+pop_entry(Table *t, PyObject *key, Py_hash_t hash, PyObject **obj, long long *num)
+{
+    int32_t *link = locate(t, key, hash);
+    if (link == NULL)
+        return 0;
+    *obj = take(t, link, num);
+    return 1;
+}
+
+static void
+pop_oldest(Table *t)
+{
+    Entry *e = ENTRY(t, t->ends[0]);
+    long long ignored;
+    Py_XDECREF(take(t, locate(t, e->key, e->hash), &ignored));
+}
+
+/* The count of keys parked from ``place`` (-1 with an error: not a place counted). */
+static Py_ssize_t
+parked_count(Lists *l, long place)
+{
+    if (place < 0 || place >= PyList_GET_SIZE(l->parked_at)) {
+        PyErr_Format(PyExc_IndexError, "parked_at counts no place %ld", place);
+        return -1;
+    }
+    return PyLong_AsSsize_t(PyList_GET_ITEM(l->parked_at, place));
+}
+
+static int
+add_parked_count(Lists *l, long place, Py_ssize_t delta)
+{
+    Py_ssize_t now = parked_count(l, place);
+    if (now == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *value = PyLong_FromSsize_t(now + delta);
+    if (value == NULL)
+        return -1;
+    PyList_SetItem(l->parked_at, place, value); /* steals ``value`` */
+    return 0;
+}
+
+/* The parked entry of ``key``, (place, predecessor) (borrowed); NULL, with an error only
+ * if there is one, when ``key`` is not parked. */
+static PyObject *
+parked_entry(Lists *l, PyObject *key)
+{
+    PyObject *parked = PyDict_GetItemWithError(l->parked, key);
+    if (parked != NULL && (!PyTuple_CheckExact(parked) || PyTuple_GET_SIZE(parked) != 2)) {
+        PyErr_SetString(PyExc_TypeError, "a parked entry must be a (place, predecessor) tuple");
+        return NULL;
+    }
+    return parked;
+}
+
+/* The list of place ``place`` (a place not the first is the second, as the policies
+ * number them). */
+static int
+list_index(Lists *l, long place)
+{
+    return place == l->places[0] ? 0 : l->nlists - 1;
+}
+
+static PyObject *
+contract_error(Lists *l, const char *format, PyObject *key)
+{
+    PyObject *hex = PyObject_CallMethod(key, "hex", NULL);
+    if (hex != NULL) {
+        PyErr_Format(l->error, format, hex);
+        Py_DECREF(hex);
+    }
+    return NULL;
+}
+
+/* Take ``key`` out of the parked keys: 1 with the list it was parked from and its
+ * predecessor (a new reference), 0 if it is not parked (an error when ``resident``: it
+ * was in none of the lists either), -1 on an error. */
+static int
+unpark(Lists *l, PyObject *key, int resident, long *place, PyObject **parent)
+{
+    PyObject *parked = parked_entry(l, key);
+    if (parked == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        if (resident) {
+            contract_error(l, "key %U is not resident", key);
+            return -1;
+        }
+        return 0;
+    }
+    Py_INCREF(parked);
+    *place = PyLong_AsLong(PyTuple_GET_ITEM(parked, 0));
+    *parent = Py_NewRef(PyTuple_GET_ITEM(parked, 1));
+    Py_DECREF(parked);
+    if ((*place == -1 && PyErr_Occurred()) || PyDict_DelItem(l->parked, key) < 0
+        || add_parked_count(l, *place, -1) < 0) {
+        Py_CLEAR(*parent);
+        return -1;
+    }
+    return 1;
+}
+
+/* ``key`` is no longer resident: one successor fewer for ``parent``; a parked ``parent``
+ * left without successors returns to the old end of its list. */
+static int
+unlink_parent(Lists *l, PyObject *parent)
+{
+    if (parent == Py_None)
+        return 0;
+    Py_hash_t hash = PyObject_Hash(parent);
+    if (hash == -1)
+        return -1;
+    int32_t i = entry_of(l->successors, parent, hash);
+    if (i == 0) {
+        PyErr_SetObject(PyExc_KeyError, parent);
+        return -1;
+    }
+    Entry *e = ENTRY(l->successors, i);
+    if (--e->value.num != 0)
+        return 0;
+    PyObject *unused;
+    long long ignored;
+    pop_entry(l->successors, parent, hash, &unused, &ignored);
+    long place;
+    PyObject *grandparent;
+    int parked = unpark(l, parent, 0, &place, &grandparent);
+    if (parked <= 0)
+        return parked;
+    Table *list = l->lists[list_index(l, place)];
+    int rc = set_item(list, parent, grandparent);
+    Py_DECREF(grandparent);
+    if (rc < 0)
+        return -1;
+    int32_t at = entry_of(list, parent, hash);
+    if (at != list->ends[0]) {
+        Entry *moved = ENTRY(list, at);
+        unlink_order(list, at, moved);
+        link_end(list, at, moved, 0);
+        list->version++;
+    }
+    return 0;
+}
+
+/* -- ARC's insert -------------------------------------------------------------------- */
+
+/* ARC's insert of a new key continuing ``parent`` (see policies/arc.py). */
+static PyObject *
+lists_arc_insert(Lists *l, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_count("arc_insert", nargs, 1, 2) < 0)
+        return NULL;
+    PyObject *key = args[0], *parent = nargs > 1 ? args[1] : Py_None;
+    if (l->nlists != 2 || l->ghosts[0] == NULL) {
+        PyErr_SetString(PyExc_TypeError, "arc_insert() needs two lists and their ghosts");
+        return NULL;
+    }
+    if (check_key(key) < 0 || (parent != Py_None && check_key(parent) < 0))
+        return NULL;
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1)
+        return NULL;
+    Table *t1 = l->lists[0], *t2 = l->lists[1], *b1 = l->ghosts[0], *b2 = l->ghosts[1];
+    int parked = PyDict_Contains(l->parked, key);
+    if (parked < 0)
+        return NULL;
+    if (parked || entry_of(t1, key, hash) || entry_of(t2, key, hash))
+        return contract_error(l, "key %U is already resident", key);
+    if (parent != Py_None) {
+        if (same_key(parent, key))
+            return contract_error(l, "key %U cannot be its own predecessor", key);
+        Py_hash_t parent_hash = PyObject_Hash(parent);
+        if (parent_hash == -1)
+            return NULL;
+        int32_t i = entry_of(l->successors, parent, parent_hash);
+        if (i)
+            ENTRY(l->successors, i)->value.num++;
+        else if (append_new(l->successors, parent, parent_hash, NULL, 1) < 0)
+            return NULL;
+    }
+    PyObject *ghost;
+    long long ignored;
+    Table *into = t2;
+    if (pop_entry(b1, key, hash, &ghost, &ignored)) {
+        Py_XDECREF(ghost);
+        double step = (double)b2->count / (double)(b1->count + 1);
+        l->target = fmin((double)l->capacity, l->target + fmax(1.0, step));
+    }
+    else if (pop_entry(b2, key, hash, &ghost, &ignored)) {
+        Py_XDECREF(ghost);
+        double step = (double)b1->count / (double)(b2->count + 1);
+        l->target = fmax(0.0, l->target - fmax(1.0, step));
+    }
+    else {
+        into = t1;
+    }
+    if (append_new(into, key, hash, parent, 0) < 0)
+        return NULL; /* the successor count is off by one: as in the policy's own insert */
+    if (into == t1 && (b1->count || b2->count)) {
+        /* Case IV: keep |T1| + |B1| <= c, else the whole directory <= 2c. */
+        Py_ssize_t at1 = parked_count(l, l->places[0]), at2 = parked_count(l, l->places[1]);
+        if ((at1 == -1 || at2 == -1) && PyErr_Occurred())
+            return NULL;
+        Py_ssize_t over = t1->count + at1 + b1->count - l->capacity;
+        if (over > 0) {
+            for (Py_ssize_t n = Py_MIN(over, b1->count); n > 0; n--)
+                pop_oldest(b1);
+        }
+        else {
+            Py_ssize_t over_all = over + t2->count + at2 + b2->count - l->capacity;
+            for (Py_ssize_t n = Py_MIN(over_all, b2->count); n > 0; n--)
+                pop_oldest(b2);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* -- a hit ---------------------------------------------------------------------------- */
+
+/* touch(key): a hit on resident ``key`` makes it the newest of the last list (LRU's one
+ * list, ARC's T2), taken from the first list or from the parked keys if there. */
+static PyObject *
+lists_touch(Lists *l, PyObject *key)
+{
+    if (check_key(key) < 0)
+        return NULL;
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1)
+        return NULL;
+    Table *last = l->lists[l->nlists - 1];
+    int32_t at = entry_of(last, key, hash);
+    if (at) {
+        if (at != last->ends[1]) {
+            Entry *e = ENTRY(last, at);
+            unlink_order(last, at, e);
+            link_end(last, at, e, 1);
+            last->version++;
+        }
+        Py_RETURN_NONE;
+    }
+    PyObject *parent;
+    long long ignored;
+    long place;
+    if ((l->nlists == 1 || !pop_entry(l->lists[0], key, hash, &parent, &ignored))
+        && unpark(l, key, 1, &place, &parent) < 0)
+        return NULL;
+    int rc = append_new(last, key, hash, parent, 0);
+    Py_DECREF(parent);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* -- the eviction walk ---------------------------------------------------------------- */
+
+typedef struct Protection Protection;
+static PyTypeObject ProtectionType;
+static int protection_check(Protection *p, PyObject *key);
+
+typedef struct {
+    long long rank;
+    PyObject *key; /* owned */
+} Ready;
+
+/* One list walked from its old end (policies/prefix.py's LeafWalk). */
+typedef struct {
+    int32_t at; /* the next entry of the list; 0: the list is walked */
+    long long seen;
+    long long parked_rank; /* parked keys rank before every key of the list */
+    Table *passed; /* key -> rank: passed over for their successors, in the order met */
+    Ready *ready; /* a min-heap on rank */
+    Py_ssize_t nready, ready_cap;
+} Walk;
+
+typedef struct {
+    Lists *lists;
+    PyObject *protected;
+    Table *taken; /* key -> successors of it among the victims */
+    PyObject *victims; /* list */
+    uint64_t versions[2];
+    Walk walks[2];
+} Eviction;
+
+static Table *
+new_ints(void)
+{
+    return (Table *)PyObject_CallNoArgs((PyObject *)&KeyIntsType);
+}
+
+static int
+push_ready(Walk *w, long long rank, PyObject *key)
+{
+    if (w->nready == w->ready_cap) {
+        Py_ssize_t cap = w->ready_cap ? 2 * w->ready_cap : 16;
+        Ready *ready = PyMem_Realloc(w->ready, cap * sizeof(Ready));
+        if (ready == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        w->ready = ready;
+        w->ready_cap = cap;
+    }
+    Py_ssize_t i = w->nready++;
+    while (i > 0 && w->ready[(i - 1) / 2].rank > rank) {
+        w->ready[i] = w->ready[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    w->ready[i].rank = rank;
+    w->ready[i].key = Py_NewRef(key);
+    return 0;
+}
+
+/* The key of least rank, taken off the heap (a new reference). */
+static PyObject *
+pop_ready(Walk *w)
+{
+    PyObject *key = w->ready[0].key;
+    Ready last = w->ready[--w->nready];
+    Py_ssize_t i = 0;
+    for (;;) {
+        Py_ssize_t child = 2 * i + 1;
+        if (child >= w->nready)
+            break;
+        if (child + 1 < w->nready && w->ready[child + 1].rank < w->ready[child].rank)
+            child++;
+        if (w->ready[child].rank >= last.rank)
+            break;
+        w->ready[i] = w->ready[child];
+        i = child;
+    }
+    if (w->nready > 0)
+        w->ready[i] = last;
+    return key;
+}
+
+/* Whether ``protected(key)`` holds; -1 on an error, or when the call changed a list. */
+static int
+is_protected(Eviction *ev, PyObject *key)
+{
+    int yes;
+    if (Py_TYPE(ev->protected) == &ProtectionType) {
+        yes = protection_check((Protection *)ev->protected, key);
+    }
+    else {
+        PyObject *answer = PyObject_CallOneArg(ev->protected, key);
+        if (answer == NULL)
+            return -1;
+        yes = PyObject_IsTrue(answer);
+        Py_DECREF(answer);
+    }
+    Lists *l = ev->lists;
+    for (int i = 0; i < l->nlists; i++) {
+        if (l->lists[i]->version != ev->versions[i]) {
+            PyErr_SetString(PyExc_RuntimeError, "KeyOrder changed during eviction");
+            return -1;
+        }
+    }
+    return yes;
+}
+
+static long long
+count_of(Table *t, PyObject *key, Py_hash_t hash)
+{
+    int32_t i = entry_of(t, key, hash);
+    return i ? ENTRY(t, i)->value.num : 0;
+}
+
+/* The next key of walk ``w`` that may go (a new reference); NULL without an error when the
+ * list has none left. */
+static PyObject *
+walk_next(Eviction *ev, int w)
+{
+    Walk *walk = &ev->walks[w];
+    if (walk->nready)
+        return pop_ready(walk);
+    Table *list = ev->lists->lists[w];
+    while (walk->at) {
+        Entry *e = ENTRY(list, walk->at);
+        PyObject *key = Py_NewRef(e->key);
+        Py_hash_t hash = e->hash;
+        walk->at = e->link[1];
+        walk->seen++;
+        int protected = is_protected(ev, key);
+        if (protected) {
+            Py_DECREF(key);
+            if (protected < 0)
+                return NULL;
+            continue;
+        }
+        int32_t s = entry_of(ev->lists->successors, key, hash);
+        if (s == 0 || ENTRY(ev->lists->successors, s)->value.num == count_of(ev->taken, key, hash))
+            return key;
+        int32_t *link = locate(walk->passed, key, hash);
+        if (link != NULL)
+            ENTRY(walk->passed, *link)->value.num = walk->seen;
+        else if (append_new(walk->passed, key, hash, NULL, walk->seen) < 0) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        Py_DECREF(key);
+    }
+    return NULL;
+}
+
+/* ``key`` has lost its last successor to the victims: 1 if it belongs to walk ``w``
+ * (passed over, or parked from its list) and may go, 0 if not, -1 on an error. */
+static int
+walk_freed(Eviction *ev, int w, PyObject *key, Py_hash_t hash)
+{
+    Walk *walk = &ev->walks[w];
+    PyObject *unused;
+    long long rank;
+    if (pop_entry(walk->passed, key, hash, &unused, &rank))
+        return push_ready(walk, rank, key) < 0 ? -1 : 1;
+    PyObject *parked = parked_entry(ev->lists, key);
+    if (parked == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    long place = PyLong_AsLong(PyTuple_GET_ITEM(parked, 0));
+    if (place == -1 && PyErr_Occurred())
+        return -1;
+    if (place != ev->lists->places[w])
+        return 0;
+    int protected = is_protected(ev, key);
+    if (protected)
+        return protected < 0 ? -1 : 0;
+    return push_ready(walk, --walk->parked_rank, key) < 0 ? -1 : 1;
+}
+
+/* The predecessor of resident ``key`` (borrowed), or NULL with an error. */
+static PyObject *
+parent_of(Lists *l, PyObject *key, Py_hash_t hash)
+{
+    for (int i = 0; i < l->nlists; i++) {
+        int32_t at = entry_of(l->lists[i], key, hash);
+        if (at)
+            return ENTRY(l->lists[i], at)->value.obj;
+    }
+    PyObject *parked = parked_entry(l, key);
+    if (parked == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    return PyTuple_GET_ITEM(parked, 1);
+}
+
+/* Add victim ``key``; *freed is set to its predecessor (borrowed) if that has just lost
+ * its last successor (policies/prefix.py's Victims.take). */
+static int
+take_victim(Eviction *ev, PyObject *key, PyObject **freed)
+{
+    *freed = NULL;
+    if (PyList_Append(ev->victims, key) < 0)
+        return -1;
+    Py_hash_t hash = PyObject_Hash(key);
+    PyObject *parent = parent_of(ev->lists, key, hash);
+    if (parent == NULL)
+        return -1;
+    if (parent == Py_None)
+        return 0;
+    Py_hash_t parent_hash = PyObject_Hash(parent);
+    int32_t i = entry_of(ev->taken, parent, parent_hash);
+    long long taken;
+    if (i)
+        taken = ++ENTRY(ev->taken, i)->value.num;
+    else if (append_new(ev->taken, parent, parent_hash, NULL, 1) == 0)
+        taken = 1;
+    else
+        return -1;
+    int32_t s = entry_of(ev->lists->successors, parent, parent_hash);
+    if (s == 0) {
+        PyErr_SetObject(PyExc_KeyError, parent);
+        return -1;
+    }
+    if (taken == ENTRY(ev->lists->successors, s)->value.num)
+        *freed = parent;
+    return 0;
+}
+
+/* Choose ``n`` victims; 1 when found, 0 when the lists have too few, -1 on an error.
+ * Nothing changes but the walks' own state. */
+static int
+choose(Eviction *ev, Py_ssize_t n, Py_ssize_t left_in_first)
+{
+    Lists *l = ev->lists;
+    while (PyList_GET_SIZE(ev->victims) < n) {
+        int w = l->nlists == 2 && !(left_in_first > 0 && (double)left_in_first > l->target);
+        PyObject *key = walk_next(ev, w);
+        if (key == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            if (l->nlists == 1)
+                return 0;
+            w = !w;
+            key = walk_next(ev, w);
+            if (key == NULL)
+                return PyErr_Occurred() ? -1 : 0;
+        }
+        if (w == 0)
+            left_in_first--;
+        PyObject *freed;
+        int rc = take_victim(ev, key, &freed);
+        Py_DECREF(key);
+        if (rc < 0)
+            return -1;
+        if (freed != NULL) {
+            Py_INCREF(freed);
+            Py_hash_t hash = PyObject_Hash(freed);
+            for (int i = 0; i < l->nlists && rc == 0; i++)
+                rc = walk_freed(ev, i, freed, hash);
+            Py_DECREF(freed);
+            if (rc < 0)
+                return -1;
+        }
+    }
+    return 1;
+}
+
+/* Park each key its walk passed over (out of its list, into the parked keys). */
+static int
+park_passed(Eviction *ev)
+{
+    Lists *l = ev->lists;
+    for (int w = 0; w < l->nlists; w++) {
+        Table *passed = ev->walks[w].passed;
+        for (int32_t i = passed->ends[0]; i;) {
+            Entry *e = ENTRY(passed, i);
+            i = e->link[1];
+            PyObject *parent;
+            long long ignored;
+            if (!pop_entry(l->lists[w], e->key, e->hash, &parent, &ignored)) {
+                PyErr_SetObject(PyExc_KeyError, e->key);
+                return -1;
+            }
+            PyObject *place = PyLong_FromLong(l->places[w]);
+            PyObject *value = place == NULL ? NULL : PyTuple_Pack(2, place, parent);
+            Py_XDECREF(place);
+            Py_DECREF(parent);
+            if (value == NULL)
+                return -1;
+            int rc = PyDict_SetItem(l->parked, e->key, value);
+            Py_DECREF(value);
+            if (rc < 0 || add_parked_count(l, l->places[w], 1) < 0)
+                return -1;
+        }
+    }
+    return 0;
+}
+
+/* Take victim ``key`` out of its list (or the parked keys), into its ghost list if there
+ * are ghosts, and unlink it from its predecessor. */
+static int
+evict_one(Lists *l, PyObject *key)
+{
+    Py_hash_t hash = PyObject_Hash(key);
+    PyObject *parent = NULL;
+    long long ignored;
+    int w = 0;
+    for (; w < l->nlists; w++) {
+        if (pop_entry(l->lists[w], key, hash, &parent, &ignored))
+            break;
+    }
+    if (w == l->nlists) {
+        long place;
+        if (unpark(l, key, 1, &place, &parent) < 0)
+            return -1;
+        w = list_index(l, place);
+    }
+    Table *ghosts = l->ghosts[w];
+    if (ghosts != NULL && entry_of(ghosts, key, hash) == 0) {
+        if (append_new(ghosts, key, hash, Py_None, 0) < 0) {
+            Py_DECREF(parent);
+            return -1;
+        }
+        while (ghosts->count > l->ghost_limit && ghosts->count)
+            pop_oldest(ghosts);
+    }
+    int rc = unlink_parent(l, parent);
+    Py_DECREF(parent);
+    return rc;
+}
+
+/* evict(n, protected): ``n`` (> 1) victims by the policy's rule, taken out, or None
+ * changing nothing (see policies/arc.py and policies/lru.py). */
+static PyObject *
+lists_evict(Lists *l, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_count("evict", nargs, 2, 2) < 0)
+        return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[0]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    Eviction ev = {.lists = l, .protected = args[1]};
+    Py_ssize_t left_in_first = 0;
+    if (l->nlists == 2) {
+        left_in_first = parked_count(l, l->places[0]);
+        if (left_in_first == -1 && PyErr_Occurred())
+            return NULL;
+        left_in_first += l->lists[0]->count;
+    }
+    PyObject *result = NULL;
+    int found = -1;
+    ev.taken = new_ints();
+    ev.victims = PyList_New(0);
+    if (ev.taken == NULL || ev.victims == NULL)
+        goto done;
+    for (int w = 0; w < l->nlists; w++) {
+        ev.walks[w].at = l->lists[w]->ends[0];
+        ev.versions[w] = l->lists[w]->version;
+        ev.walks[w].passed = new_ints();
+        if (ev.walks[w].passed == NULL)
+            goto done;
+    }
+    found = choose(&ev, n, left_in_first);
+    if (found <= 0)
+        goto done;
+    if (park_passed(&ev) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ev.victims); i++) {
+        if (evict_one(l, PyList_GET_ITEM(ev.victims, i)) < 0)
+            goto done;
+    }
+    result = Py_NewRef(ev.victims);
+done:
+    if (found == 0 && !PyErr_Occurred())
+        result = Py_NewRef(Py_None);
+    for (int w = 0; w < 2; w++) {
+        Walk *walk = &ev.walks[w];
+        for (Py_ssize_t i = 0; i < walk->nready; i++)
+            Py_DECREF(walk->ready[i].key);
+        PyMem_Free(walk->ready);
+        Py_XDECREF(walk->passed);
+    }
+    Py_XDECREF(ev.taken);
+    Py_XDECREF(ev.victims);
+    return result;
+}
+
+/* -- the type ------------------------------------------------------------------------ */
+
+static int
+table_arg(PyObject *obj, PyTypeObject *type, const char *what, Table **out)
+{
+    if (Py_TYPE(obj) != type) {
+        PyErr_Format(PyExc_TypeError, "%s must be a %s, not %.100s", what, type->tp_name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *out = (Table *)obj;
+    return 0;
+}
+
+/* A tuple of one or two tables of ``type`` (or None, when ``optional``). */
+static int
+tables_arg(PyObject *obj, PyTypeObject *type, const char *what, int optional, Table **out)
+{
+    if (optional && obj == Py_None)
+        return 0;
+    if (!PyTuple_CheckExact(obj) || PyTuple_GET_SIZE(obj) < 1 || PyTuple_GET_SIZE(obj) > 2) {
+        PyErr_Format(PyExc_TypeError, "%s must be a tuple of one or two tables", what);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(obj); i++) {
+        if (table_arg(PyTuple_GET_ITEM(obj, i), type, what, &out[i]) < 0)
+            return -1;
+    }
+    return (int)PyTuple_GET_SIZE(obj);
+}
+
+static PyObject *
+lists_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"lists", "places", "successors", "parked", "parked_at", "ghosts", "ghost_limit",
+                            "capacity", "error", NULL};
+    PyObject *lists, *places, *successors, *parked, *parked_at, *ghosts = Py_None, *error = PyExc_ValueError;
+    Py_ssize_t ghost_limit = 0, capacity = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!OO!O!|OnnO:PrefixLists", names, &PyTuple_Type, &lists,
+                                     &PyTuple_Type, &places, &successors, &PyDict_Type, &parked, &PyList_Type,
+                                     &parked_at, &ghosts, &ghost_limit, &capacity, &error))
+        return NULL;
+    if (!PyExceptionClass_Check(error)) {
+        PyErr_SetString(PyExc_TypeError, "error must be an exception type");
+        return NULL;
+    }
+    Lists *l = (Lists *)type->tp_alloc(type, 0);
+    if (l == NULL)
+        return NULL;
+    Table *tables[2] = {NULL, NULL}, *ghost_tables[2] = {NULL, NULL}, *counts = NULL;
+    int n = tables_arg(lists, &KeyOrderType, "lists", 0, tables);
+    int g = n < 0 ? -1 : tables_arg(ghosts, &KeyOrderType, "ghosts", 1, ghost_tables);
+    if (g < 0 || table_arg(successors, &KeyIntsType, "successors", &counts) < 0)
+        goto fail;
+    if ((g && g != n) || PyTuple_GET_SIZE(places) != n) {
+        PyErr_SetString(PyExc_ValueError, "one place (and ghost list) per list");
+        goto fail;
+    }
+    l->nlists = n;
+    for (int i = 0; i < n; i++) {
+        long place = PyLong_AsLong(PyTuple_GET_ITEM(places, i));
+        if (place == -1 && PyErr_Occurred())
+            goto fail;
+        if (place < 0 || place >= PyList_GET_SIZE(parked_at)) {
+            PyErr_SetString(PyExc_ValueError, "parked_at must count every place");
+            goto fail;
+        }
+        l->places[i] = place;
+        l->lists[i] = (Table *)Py_NewRef(tables[i]);
+        l->ghosts[i] = (Table *)Py_XNewRef(ghost_tables[i]);
+    }
+    l->successors = (Table *)Py_NewRef(counts);
+    l->parked = Py_NewRef(parked);
+    l->parked_at = Py_NewRef(parked_at);
+    l->error = Py_NewRef(error);
+    l->ghost_limit = ghost_limit;
+    l->capacity = capacity;
+    return (PyObject *)l;
+fail:
+    Py_DECREF(l);
+    return NULL;
+}
+
+static void
+lists_dealloc(Lists *l)
+{
+    for (int i = 0; i < 2; i++) {
+        Py_XDECREF(l->lists[i]);
+        Py_XDECREF(l->ghosts[i]);
+    }
+    Py_XDECREF(l->successors);
+    Py_XDECREF(l->parked);
+    Py_XDECREF(l->parked_at);
+    Py_XDECREF(l->error);
+    Py_TYPE(l)->tp_free((PyObject *)l);
+}
+
+static PyMethodDef lists_methods[] = {
+    {"evict", (PyCFunction)(void (*)(void))lists_evict, METH_FASTCALL,
+     "evict(n, protected): n (> 1) victims, taken out, or None changing nothing"},
+    {"touch", (PyCFunction)lists_touch, METH_O, "touch(key): a hit; key becomes the newest of the last list"},
+    {"arc_insert", (PyCFunction)(void (*)(void))lists_arc_insert, METH_FASTCALL,
+     "arc_insert(key, parent=None): ARC's insert of a new key"},
+    {NULL, NULL},
+};
+
+static PyMemberDef lists_members[] = {
+    {"target", T_DOUBLE, offsetof(Lists, target), 0, "ARC's target size of its first list"},
+    {NULL},
+};
+
+static PyTypeObject ListsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tiered_kv._keytable.PrefixLists",
+    .tp_basicsize = sizeof(Lists),
+    .tp_dealloc = (destructor)lists_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "PrefixLists(lists, places, successors, parked, parked_at, ghosts=None, ghost_limit=0, capacity=0, "
+              "error=ValueError): the eviction walk and ARC's insert over a prefix-aware policy's tables.",
+    .tp_methods = lists_methods,
+    .tp_members = lists_members,
+    .tp_new = lists_new,
+};
+
+/* -- which keys an eviction passes over (tiered_kv/directory.py) --------------------- */
+
+/* A residency index's answer to "must this key stay?" for one eviction: a key it keeps
+ * for the store at hand (``kept``, ``keep``), one it does not hold, or one whose chunk is
+ * pinned, not READY, or leased in the current epoch. Read from the index's own arrays;
+ * the eviction walk asks it without a Python call. */
+struct Protection {
+    PyObject_HEAD
+    PyObject *slots; /* key -> slot: a KeyInts, or a dict (an index a warm restart took as it was) */
+    Table *table; /* ``slots`` if it is a KeyInts */
+    Py_buffer state, pins, lease; /* lease.obj == NULL: the tier takes no leases */
+    long long epoch;
+    PyObject *kept, *keep; /* NULL: none */
+};
+
+/* The state of a slot whose chunk can be read (directory.py's READY). */
+#define READY_STATE 2
+
+/* 1 if ``key`` must stay, 0 if it may go, -1 on an error. */
+static int
+protection_check(Protection *p, PyObject *key)
+{
+    int yes;
+    if (p->kept != NULL && (yes = PySequence_Contains(p->kept, key)) != 0)
+        return yes;
+    if (p->keep != NULL && (yes = PySequence_Contains(p->keep, key)) != 0)
+        return yes;
+    long long slot;
+    if (p->table != NULL) {
+        int32_t i = find(p->table, key);
+        if (i <= 0)
+            return i < 0 ? -1 : 1;
+        slot = ENTRY(p->table, i)->value.num;
+    }
+    else {
+        PyObject *value = PyDict_GetItemWithError(p->slots, key);
+        if (value == NULL)
+            return PyErr_Occurred() ? -1 : 1;
+        slot = PyLong_AsLongLong(value);
+        if (slot == -1 && PyErr_Occurred())
+            return -1;
+    }
+    if (slot < 0 || slot >= p->state.len || slot >= p->pins.len / 2 || (p->lease.obj && slot >= p->lease.len / 4)) {
+        PyErr_Format(PyExc_IndexError, "slot %lld is outside the index's arrays", slot);
+        return -1;
+    }
+    return ((uint16_t *)p->pins.buf)[slot] > 0 || ((unsigned char *)p->state.buf)[slot] != READY_STATE
+           || (p->lease.obj != NULL && ((int32_t *)p->lease.buf)[slot] == p->epoch);
+}
+
+static PyObject *
+protection_call(Protection *p, PyObject *args, PyObject *kwargs)
+{
+    PyObject *key;
+    if (!PyArg_ParseTuple(args, "O:Protection", &key))
+        return NULL;
+    int yes = protection_check(p, key);
+    return yes < 0 ? NULL : PyBool_FromLong(yes);
+}
+
+/* A buffer of ``obj`` with items of ``format`` (one character); -1 with an error if not. */
+static int
+typed_buffer(PyObject *obj, const char *format, Py_ssize_t itemsize, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->itemsize != itemsize || view->format == NULL || strcmp(view->format, format) != 0) {
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        PyErr_Format(PyExc_TypeError, "expected an array of '%s' items", format);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+protection_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"slots", "state", "pins", "lease", "epoch", "kept", "keep", NULL};
+    PyObject *slots, *state, *pins, *lease, *kept, *keep;
+    long long epoch;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLOO:Protection", names, &slots, &state, &pins, &lease,
+                                     &epoch, &kept, &keep))
+        return NULL;
+    Protection *p = (Protection *)type->tp_alloc(type, 0);
+    if (p == NULL)
+        return NULL;
+    if (Py_TYPE(slots) == &KeyIntsType)
+        p->table = (Table *)slots;
+    else if (!PyDict_Check(slots)) {
+        PyErr_Format(PyExc_TypeError, "slots must be a KeyInts or a dict, not %.100s", Py_TYPE(slots)->tp_name);
+        Py_DECREF(p);
+        return NULL;
+    }
+    if (typed_buffer(state, "B", 1, &p->state) < 0
+        || typed_buffer(pins, "H", 2, &p->pins) < 0 || (lease != Py_None && typed_buffer(lease, "i", 4, &p->lease) < 0)) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    p->slots = Py_NewRef(slots);
+    p->epoch = epoch;
+    p->kept = kept == Py_None ? NULL : Py_NewRef(kept);
+    p->keep = keep == Py_None ? NULL : Py_NewRef(keep);
+    return (PyObject *)p;
+}
+
+static void
+protection_dealloc(Protection *p)
+{
+    Py_buffer *views[] = {&p->state, &p->pins, &p->lease};
+    for (int i = 0; i < 3; i++) {
+        if (views[i]->obj != NULL)
+            PyBuffer_Release(views[i]);
+    }
+    Py_XDECREF(p->slots);
+    Py_XDECREF(p->kept);
+    Py_XDECREF(p->keep);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyTypeObject ProtectionType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tiered_kv._keytable.Protection",
+    .tp_basicsize = sizeof(Protection),
+    .tp_dealloc = (destructor)protection_dealloc,
+    .tp_call = (ternaryfunc)protection_call,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Protection(slots, state, pins, lease, epoch, kept, keep): whether an eviction must pass a key over.",
+    .tp_new = protection_new,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "tiered_kv._keytable",
@@ -882,13 +1822,16 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__keytable(void)
 {
-    if (PyType_Ready(&IterType) < 0 || PyType_Ready(&KeyOrderType) < 0 || PyType_Ready(&KeyIntsType) < 0)
+    if (PyType_Ready(&IterType) < 0 || PyType_Ready(&KeyOrderType) < 0 || PyType_Ready(&KeyIntsType) < 0
+        || PyType_Ready(&ListsType) < 0 || PyType_Ready(&ProtectionType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "KeyOrder", (PyObject *)&KeyOrderType) < 0
-        || PyModule_AddObjectRef(m, "KeyInts", (PyObject *)&KeyIntsType) < 0) {
+        || PyModule_AddObjectRef(m, "KeyInts", (PyObject *)&KeyIntsType) < 0
+        || PyModule_AddObjectRef(m, "PrefixLists", (PyObject *)&ListsType) < 0
+        || PyModule_AddObjectRef(m, "Protection", (PyObject *)&ProtectionType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,7 +1,8 @@
 """Types of tiered_kv/_keytable.c: tables of ``bytes`` keys in insertion order that grow
 in O(1) steps (no full rehash), outside the cyclic garbage collector."""
 
-from collections.abc import Iterable, Iterator, Sequence
+from array import array
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import Generic, TypeVar, overload
 
 _D = TypeVar("_D")
@@ -43,3 +44,55 @@ class KeyOrder(_Table[bytes | None]):
 
 class KeyInts(_Table[int]):
     """``bytes`` -> a 64-bit integer (key -> slot, key -> count)."""
+
+class PrefixLists:
+    """The hot steps of a prefix-aware policy (LRU, ARC), over the policy's own tables:
+    one or two ordered ``lists`` (key -> predecessor, oldest first) numbered ``places``,
+    the resident ``successors`` of each key, the ``parked`` keys (key -> (place,
+    predecessor)) counted per place in ``parked_at``, and for ARC its two ``ghosts``
+    tables (at most ``ghost_limit`` keys each) and ``capacity``. Holds no reference to
+    the policy; ``error`` is raised for a broken contract (a key inserted twice)."""
+
+    #: ARC's target size of its first list (T1), adapted by :meth:`arc_insert`.
+    target: float
+    def __init__(
+        self,
+        lists: tuple[KeyOrder, ...],
+        places: tuple[int, ...],
+        successors: KeyInts,
+        parked: dict[bytes, tuple[int, bytes | None]],
+        parked_at: list[int],
+        ghosts: tuple[KeyOrder, ...] | None = None,
+        ghost_limit: int = 0,
+        capacity: int = 0,
+        error: type[Exception] = ...,
+    ) -> None: ...
+    def evict(self, n: int, protected: Callable[[bytes], bool], /) -> list[bytes] | None:
+        """``n`` (more than one) victims, leaves of the prefix tree first, taken out of
+        the lists (into the ghosts, if any), or ``None`` changing nothing: policies/prefix.py's
+        eviction walk, with ARC's choice between two lists by ``target``."""
+    def touch(self, key: bytes, /) -> None:
+        """A hit on resident ``key``: the newest of the last list (LRU's only list, ARC's
+        T2), taken from the first list or out of the parked keys."""
+    def arc_insert(self, key: bytes, parent: bytes | None = None, /) -> None:
+        """ARC's insert of a key not resident: a ghost hit adapts :attr:`target` and goes to
+        the second list, a new key to the first, trimming the ghosts (case IV)."""
+
+class Protection:
+    """Whether an eviction must pass ``key`` over, read from a residency index's arrays:
+    a key in ``kept`` or ``keep``, one absent from ``slots`` (a KeyInts, or a dict a warm
+    restart handed over), or one whose slot is pinned
+    (``pins``), not READY (``state``) or leased in ``epoch`` (``lease``, if the tier takes
+    leases). :meth:`PrefixLists.evict` asks it without a Python call."""
+
+    def __init__(
+        self,
+        slots: KeyInts | dict[bytes, int],
+        state: bytearray,
+        pins: array[int],
+        lease: array[int] | None,
+        epoch: int,
+        kept: Container[bytes] | None,
+        keep: Container[bytes] | None,
+    ) -> None: ...
+    def __call__(self, key: bytes, /) -> bool: ...

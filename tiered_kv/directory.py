@@ -18,7 +18,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 import msgspec
 import numpy as np
 
-from tiered_kv._keytable import KeyInts
+from tiered_kv._keytable import KeyInts, Protection
 from tiered_kv.errors import TieredKVError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.partition import TierPartition
@@ -213,10 +213,17 @@ class TierIndex:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         # The new chunks' resident predecessors stay, and with them every chunk before them.
         kept = {parent for parent in map(parent_of, wanted) if parent is not None and parent in self._slots}
-        protected = (
-            self._is_protected
-            if not kept and not keep
-            else lambda key: key in kept or key in keep or self._is_protected(key)
+        leases, epoch = self._lease, self._epoch
+        # Those, and every chunk not READY, pinned or leased in this epoch: the eviction
+        # walk reads the index's arrays in C (a Python call per key passed it, before).
+        protected = Protection(
+            self._slots,
+            self._state,
+            self._pins,
+            leases if epoch is not None else None,
+            epoch.value if epoch is not None else -1,
+            kept or None,
+            keep or None,
         )
         victims = self._partition.make_room(owner, len(wanted), protected, self._parent_of)
         if victims is None:
@@ -250,15 +257,6 @@ class TierIndex:
 
     def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
         return self._parent[self._slots[key]]
-
-    def _is_protected(self, key: ChunkKey) -> bool:
-        slot = self._slots.get(key)
-        return (
-            slot is None
-            or self._pins[slot] > 0
-            or self._state[slot] != READY
-            or (self._lease is not None and self._epoch is not None and self._lease[slot] == self._epoch.value)
-        )
 
     # -- applying ----------------------------------------------------------------------
     def mark_ready(self, key: ChunkKey) -> None:
@@ -390,19 +388,22 @@ class TierIndex:
 
     def pin_ready_run(self, keys: Sequence[ChunkKey], namespace: str) -> int:
         """Pin the leading run of ``keys`` READY for ``namespace``; how many (a load's
-        chunks already in cpu, in one call)."""
-        n = self.ready_run(keys, namespace, 0, len(keys))
-        slots, pins = self._slots, self._pins
-        for i in range(n):
-            slot = slots[keys[i]]
+        chunks already in cpu, in one call and one pass)."""
+        slot_of, state, names, pins = self._slots.get, self._state, self._namespace, self._pins
+        n = 0
+        for key in keys:
+            slot = slot_of(key)
+            if slot is None or state[slot] != READY or names[slot] != namespace:  # ready_for
+                break
             count = pins[slot]
             if count >= _MAX_COUNT:
-                for undo in range(i):
+                for undo in range(n):
                     self.unpin(keys[undo])
-                raise TieredKVError(f"{self.tier}: chunk {keys[i].hex()} has {count} pins already")
+                raise TieredKVError(f"{self.tier}: chunk {key.hex()} has {count} pins already")
             if not count:
                 self._pinned += 1
             pins[slot] = count + 1
+            n += 1
         return n
 
     def slots_of(self, keys: Sequence[ChunkKey]) -> list[int]:
@@ -431,13 +432,15 @@ class TierIndex:
         counts = []
         for key in keys:
             slot = slots[key]
-            owner = other.get(slot) or names[slot]
+            owner = (other.get(slot) or names[slot]) if other else names[slot]
             assert owner is not None
             if owner != touched_by:
                 touch, touched_by = policy_of(owner).touch, owner
             touch(key)
             if hits is not None:
-                count = min(hits[slot] + 1, _MAX_COUNT)
+                count = hits[slot] + 1
+                if count > _MAX_COUNT:
+                    count = _MAX_COUNT
                 hits[slot] = count
                 counts.append(count)
         return counts

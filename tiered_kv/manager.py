@@ -688,7 +688,7 @@ class TieredKV:
                         self._transfer_failed("cpu->gpu", pool, request_id, exc)
                         return 0
                     block_bytes = pool.chunk_bytes // pool.blocks_per_chunk
-                    self._telemetry.bytes_moved["cpu->gpu"] += block_bytes * sum(len(op.blocks) for op in ops)
+                    self._telemetry.bytes_moved["cpu->gpu"] += block_bytes * sum(map(len, plan.blocks[: len(ops)]))
             good = [
                 len(slots) * plan.pool.chunk_size
                 for plan, slots, is_window in zip(plans, staged, windowed, strict=True)
@@ -932,7 +932,9 @@ class TieredKV:
         ]
         for pool, group_keys, table in zip(pools, copies, tables, strict=True):
             require_keys(group_keys)
-            copied = [b for b in table[: len(group_keys) * pool.blocks_per_chunk] if b >= 0]
+            copied = table[: len(group_keys) * pool.blocks_per_chunk]
+            if copied and min(copied) < 0:  # blocks the engine no longer holds are not copied
+                copied = [b for b in copied if b >= 0]
             blocks_in_range(copied, self._drivers[pool.id].gpus[namespace.tp_rank].num_slots)
         return copies, tables
 
