@@ -49,12 +49,12 @@ class ARC:
     """
 
     name = "arc"
-    __slots__ = ("_b1", "_b2", "_links", "_lists", "_t1", "_t2", "capacity", "insert", "touch")
+    __slots__ = ("_b1", "_b2", "_capacity", "_links", "_lists", "_t1", "_t2")
 
     def __init__(
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
     ) -> None:
-        self.capacity = check_capacity(capacity)
+        self._capacity = check_capacity(capacity)
         self._t1 = KeyOrder()
         self._t2 = KeyOrder()
         self._b1 = GhostQueue(capacity)
@@ -67,11 +67,20 @@ class ARC:
             ghost_limit=capacity,
             capacity=capacity,
         )
-        #: ``insert(key, parent=None)``: a key becomes resident (a ghost hit adapts the
-        #: target and goes to T2; a new key goes to T1 and trims the ghosts, case IV).
-        self.insert = self._lists.arc_insert
-        #: ``touch(key)``: a hit makes ``key`` the newest of T2 (from T1, or parked).
-        self.touch = self._lists.touch
+
+    @property
+    def capacity(self) -> int:
+        """Chunks the policy orders at most; fixed, since its C steps size the ghost lists by it."""
+        return self._capacity
+
+    def insert(self, key: ChunkKey, parent: ChunkKey | None = None) -> None:
+        """A key becomes resident: a ghost hit adapts the target and goes to T2; a new key
+        goes to T1 and trims the ghosts (case IV). In C."""
+        self._lists.arc_insert(key, parent)
+
+    def touch(self, key: ChunkKey) -> None:
+        """A hit makes ``key`` the newest of T2 (from T1, or parked). In C."""
+        self._lists.touch(key)
 
     @property
     def target(self) -> float:

@@ -28,7 +28,7 @@ class LRU:
     """
 
     name = "lru"
-    __slots__ = ("_links", "_lists", "_order", "capacity", "touch")
+    __slots__ = ("_links", "_lists", "_order", "capacity")
 
     def __init__(
         self, capacity: int, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
@@ -37,8 +37,10 @@ class LRU:
         self._order = KeyOrder()
         self._links = PrefixLinks(self._release)
         self._lists = self._links.lists((self._order,), (0,))
-        #: ``touch(key)``: a hit makes ``key`` the most recently used (parked or not), in C.
-        self.touch = self._lists.touch
+
+    def touch(self, key: ChunkKey) -> None:
+        """A hit makes ``key`` the most recently used (parked or not). In C."""
+        self._lists.touch(key)
 
     def __len__(self) -> int:
         return len(self._order) + self._links.parked()

@@ -194,3 +194,46 @@ def test_s3fifo_a_removed_key_no_longer_counts_towards_the_small_queue() -> None
     policy.remove(chunk_key(1))
     policy.remove(chunk_key(2))
     assert policy.evict(1, never) == keys(0)  # small holds 1 < 2: main is evicted from
+
+
+@pytest.mark.parametrize("maker", [LRU, ARC, S3FIFO])
+def test_insert_and_touch_take_their_arguments_by_keyword_as_the_protocol_names_them(maker: type) -> None:
+    """Regression (review of the C steps): ARC's insert and LRU's and ARC's touch were the
+    C methods themselves, bound per instance, and refused ``parent=`` and ``key=``."""
+    policy = maker(4)
+    policy.insert(key=b"a")
+    policy.insert(b"b", parent=b"a")
+    policy.touch(key=b"a")
+    assert b"a" in policy and b"b" in policy and len(policy) == 2
+
+
+@pytest.mark.parametrize("maker", [LRU, ARC])
+def test_a_subclass_overriding_touch_and_insert_is_called(maker: type) -> None:
+    """Regression (review): the per-instance C methods shadowed a subclass's overrides (and
+    a subclass with __slots__ could not be built)."""
+    calls: list[str] = []
+
+    class Counting(maker):  # type: ignore[misc, valid-type]
+        __slots__ = ()
+
+        def insert(self, key: bytes, parent: bytes | None = None) -> None:
+            calls.append("insert")
+            super().insert(key, parent)
+
+        def touch(self, key: bytes) -> None:
+            calls.append("touch")
+            super().touch(key)
+
+    policy = Counting(4)
+    policy.insert(b"a")
+    policy.touch(b"a")
+    assert calls == ["insert", "touch"] and b"a" in policy
+
+
+def test_arcs_capacity_cannot_change_under_its_c_steps() -> None:
+    """Regression (review): the C steps copy the capacity that sizes the ghost lists; a
+    reassigned ``capacity`` made the two disagree silently."""
+    arc = ARC(2)
+    with pytest.raises(AttributeError):
+        arc.capacity = 4  # type: ignore[misc]
+    assert arc.capacity == 2
