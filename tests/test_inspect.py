@@ -512,15 +512,34 @@ async def test_inspect_reports_a_store_path_writable_by_others_that_register_ref
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a store to another user takes root")
-def test_another_users_store_is_read_whatever_its_modes(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Register's checks are relative to the user who opens the store: inspecting another
-    user's store (an operator looking at a server's) reads it in full."""
+def test_another_users_store_is_read_in_full(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ownership is relative to the user who opens the store: inspecting another user's
+    store (an operator looking at a server's) reads it in full."""
     for path in [store_dir(store), *store_dir(store).iterdir()]:
         os.chown(path, 4321, 4321)
-        path.chmod(stat.S_IMODE(path.stat().st_mode) | stat.S_IWGRP)
     code, report, document = inspect_cli(capsys, store, "--verify")
     assert code == 0 and damage_lines(report) == []
     assert [group["verified"] for group in document["stores"][0]["groups"]] == [CHUNKS[0], CHUNKS[1]]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a store to another user takes root")
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("target", ["store", "namespace.json", "g0.slots", "g0.checkpoint", "g1.journal", "g1.lock"])
+def test_another_users_store_that_group_or_others_may_write_is_reported(
+    store: Path, capsys: pytest.CaptureFixture[str], target: str, seed: int
+) -> None:
+    """Regression: a server's store that anyone may write was "all verify" to an operator
+    inspecting it, though the server's own opening refuses it for that reason."""
+    for path in [store_dir(store), *store_dir(store).iterdir()]:
+        os.chown(path, 4321, 4321)
+    path = store_dir(store) if target == "store" else store_dir(store) / target
+    mode = stat.S_IMODE(path.stat().st_mode) | random.Random(seed).choice(SHARED_BITS)
+    path.chmod(mode)
+    code, report, _ = inspect_cli(capsys, store, "--verify")
+    assert code == 1
+    writable = [line for line in damage_lines(report) if "writable by group or others" in line]
+    assert len(writable) == 1 and f"(mode {mode:04o}): opening this store is refused" in writable[0]
+    assert "owned by uid" not in report
 
 
 def test_a_store_whose_namespace_record_cannot_be_read_says_so_not_that_it_was_never_recorded(

@@ -38,8 +38,9 @@ def _unsafe(path: str, reason: str) -> UnsafeStore:
 
 
 def check_safe(fd: int, path: str, *, directory: bool, owner: bool) -> os.stat_result:
-    """The ``fstat`` of ``fd``, once it is a directory (or a regular file) that this user
-    owns (when ``owner``) and that group and others cannot write."""
+    """The ``fstat`` of ``fd``, once it is a directory (or a regular file) that group and
+    others cannot write, and that this user owns (when ``owner``: a read-only inspection
+    may look at another user's store, whose owner is that user's to check)."""
     st = os.fstat(fd)
     if directory and not stat.S_ISDIR(st.st_mode):
         raise _unsafe(path, "is not a directory")
@@ -47,7 +48,7 @@ def check_safe(fd: int, path: str, *, directory: bool, owner: bool) -> os.stat_r
         raise _unsafe(path, "is not a regular file")
     if owner and st.st_uid != os.geteuid():
         raise _unsafe(path, f"is owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}")
-    if owner and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise _unsafe(path, f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})")
     return st
 

@@ -10,9 +10,10 @@ the inspected directory no link is followed: a link where a store keeps a file o
 directory is reported as the damage it is (a reopen refuses it). A store of this user's
 is held to the checks that opening it applies (:mod:`tiered_kv.tiers.nvme_files`): its
 root, directory or a file that group or others may write, or that another user owns, is
-reported as the refusal it is. Those checks are relative to the user who opens the
-store, so another user's store (a server's, inspected by an operator) is read whoever
-owns its files.
+reported as the refusal it is. Ownership is relative to the user who opens the store,
+so another user's store (a server's, inspected by an operator) is read whoever owns its
+files; that group or others may write it is reported whoever owns it, since its owner's
+opening refuses that too.
 """
 
 from __future__ import annotations
@@ -119,12 +120,10 @@ def _mine(fd: int) -> bool:
 
 def _refused_dir(fd: int, path: Path, what: str) -> tuple[str, ...]:
     """Why opening a store would refuse directory ``fd`` (its root, or its own directory),
-    by the check opening applies; nothing when the directory is another user's, whose
-    check that is."""
-    if not _mine(fd):
-        return ()
+    by the check opening applies; of another user's directory, only what its owner's
+    opening would refuse too (writable by group or others), not its owner."""
     try:
-        check_safe(fd, str(path), directory=True, owner=True)
+        check_safe(fd, str(path), directory=True, owner=_mine(fd))
     except UnsafeStore as exc:
         return (_refusal(what, exc),)
     return ()
