@@ -331,3 +331,21 @@ def test_a_header_of_another_namespace_or_slot_is_refused() -> None:
 def test_keys_longer_than_the_header_holds_are_refused() -> None:
     with pytest.raises(ValueError):
         pack_header(fingerprint=FINGERPRINT, slot=0, key=bytes(MAX_KEY_BYTES + 1), length=1, checksum=bytes(16))
+
+
+def test_a_pool_that_cannot_start_all_its_threads_ends_those_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[threading.Thread] = []
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if len(started) == 2:
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+        started.append(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        WorkerPool("test", 4)
+    for thread in started:
+        thread.join(5)
+        assert not thread.is_alive()

@@ -140,8 +140,14 @@ class WorkerPool:
             threading.Thread(target=_work, args=(self._queue, init), name=f"tiered-kv-{name}_{i}")
             for i in range(workers)
         ]
-        for thread in self._threads:
-            thread.start()
+        started = 0
+        try:
+            for thread in self._threads:
+                thread.start()
+                started += 1
+        except BaseException:  # no thread for one of them: end those that started
+            _stop(self._queue, started)
+            raise
         weakref.finalize(self, _stop, self._queue, workers)  # dropped unclosed: end the threads
         _POOLS.add(self)
 
