@@ -140,13 +140,11 @@ class WorkerPool:
             threading.Thread(target=_work, args=(self._queue, init), name=f"tiered-kv-{name}_{i}")
             for i in range(workers)
         ]
-        started = 0
         try:
             for thread in self._threads:
                 thread.start()
-                started += 1
-        except BaseException:  # no thread for one of them: end those that started
-            _stop(self._queue, started)
+        except BaseException:  # no thread for one of them, or Ctrl-C: end those that run
+            _stop(self._queue, workers)  # a stop each (one interrupted in start() may run)
             raise
         weakref.finalize(self, _stop, self._queue, workers)  # dropped unclosed: end the threads
         _POOLS.add(self)
@@ -163,15 +161,15 @@ class WorkerPool:
 
     def shutdown(self, wait: bool = True) -> None:
         """Take no more calls; the threads end once the calls queued have run (``wait``:
-        return only then)."""
+        return only then, unless called from one of the pool's own threads, which cannot
+        wait for themselves or for each other)."""
         with self._lock:
             if not self._closed:
                 self._closed = True
                 _stop(self._queue, len(self._threads))
-        if wait:
+        if wait and threading.current_thread() not in self._threads:
             for thread in self._threads:
-                if thread is not threading.current_thread():
-                    thread.join()
+                thread.join()
 
 
 def _work(calls: queue.SimpleQueue[_Call | None], init: Callable[[], object] | None) -> None:
