@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from tiered_kv.bench import SectionResult, add_bench_parser
 from tiered_kv.bench.keys import KeysSection
 from tiered_kv.bench.report import Progress
 from tiered_kv.bench.schema import validate
-from tiered_kv.cli import build_parser, main
+from tiered_kv.cli import EXIT_OUTPUT_CLOSED, build_parser, main
 from tiered_kv.log import get_logger
 from tiered_kv.registry import TIERS
 from tiered_kv.testing.valkey_server import free_port
@@ -523,3 +524,39 @@ def test_warnings_are_shown_by_default_except_by_inspect(
     main(argv)
     main(["--log-level", "info", *argv])
     assert configured == [level, "info"]
+
+
+def _closed_stdout_run(*args: str) -> subprocess.CompletedProcess[str]:
+    """``tiered-kv ARGS`` writing into a pipe whose reader has gone."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "tiered_kv", *args], stdout=write_end, stderr=subprocess.PIPE, text=True, check=False
+        )
+    finally:
+        os.close(write_end)
+
+
+def test_a_bench_whose_reader_went_early_still_writes_its_json_and_ends_quietly(tmp_path: Path) -> None:
+    """Regression (adversarial test): ``bench … --json out.json | head`` lost the JSON: the
+    first table's print raised BrokenPipeError before it was written."""
+    out = tmp_path / "bench.json"
+    result = _closed_stdout_run("bench", "keys", "--key-tokens", "512", "--key-repeats", "1", "--json", str(out))
+    assert result.returncode == EXIT_OUTPUT_CLOSED
+    assert "error" not in result.stderr and "Broken pipe" not in result.stderr, result.stderr
+    assert json.loads(out.read_text())["keys"]["cases"]
+
+
+def test_a_command_whose_output_cannot_be_written_fails_with_the_reason() -> None:
+    """A full disk is not a reader that left: one line, exit status 1."""
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "tiered_kv", "bench", "keys", "--key-tokens", "512", "--key-repeats", "1"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1].startswith("tiered-kv bench: error: [Errno 28] No space left on device")

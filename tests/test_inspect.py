@@ -552,3 +552,24 @@ def test_a_store_whose_namespace_record_cannot_be_read_says_so_not_that_it_was_n
     assert code == 1
     assert "namespace unknown (see the problems below)" in report and "not recorded" not in report
     assert any("namespace.json cannot be read" in line for line in damage_lines(report))
+
+
+def test_inspect_whose_reader_went_early_still_writes_its_json(store: Path, tmp_path: Path) -> None:
+    """Regression (adversarial test): the report was printed before ``--json`` was written,
+    so a reader that closed it early (``| head``) cost the file."""
+    out = tmp_path / "inspect.json"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "tiered_kv", "inspect", str(store), "--verify", "--json", str(out)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141, result.stderr
+    assert "error" not in result.stderr
+    assert json.loads(out.read_text())["verified"] is True

@@ -139,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code: int = args.handler(args)
+        if sys.stdout is not None:
+            sys.stdout.flush()  # a reader gone since is found here, not at the interpreter's exit
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

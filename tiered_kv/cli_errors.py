@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import msgspec
+
 #: The command ran and found what it checks wanting (a failed bench section, a damaged
 #: store, an invalid config), or failed for a reason it names.
 EXIT_FAILED = 1
@@ -39,6 +41,14 @@ def output_file(text: str) -> Path:
     if text.endswith(("/", os.sep)) or path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
     return path
+
+
+def write_json(path: Path, value: object) -> None:
+    """Write ``value`` as indented JSON to ``path`` (``--json``), its directories created.
+    Commands write their files before their report, so that a reader that closes the
+    report early (``| head``) does not cost them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(value), indent=2) + b"\n")
 
 
 def png_file(text: str) -> Path:

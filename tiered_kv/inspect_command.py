@@ -24,7 +24,7 @@ from typing import Any, TextIO
 import msgspec
 
 from tiered_kv.bench.report import Table
-from tiered_kv.cli_errors import EXIT_FAILED, EXIT_USAGE, output_file
+from tiered_kv.cli_errors import EXIT_FAILED, EXIT_USAGE, output_file, write_json
 from tiered_kv.config import RemoteTierConfig, TieredKVConfig, load_config
 from tiered_kv.errors import ConfigError, TieredKVError
 from tiered_kv.inspection import (
@@ -91,10 +91,9 @@ def run_inspect(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return _usage_error(str(exc))
     if not inspection.stores:
         return _usage_error(f"{args.directory} holds no tiered-kv store")
-    print(render(inspection), file=out or sys.stdout)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(inspection), indent=2) + b"\n")
+        write_json(args.json, inspection)
+    print(render(inspection), file=out or sys.stdout)
     return EXIT_DAMAGED if args.verify and inspection.damaged else 0
 
 
@@ -109,10 +108,9 @@ def _inspect_remote(args: argparse.Namespace, out: TextIO | None) -> int:
     usage = asyncio.run(driver.survey(config))  # a TierError is a failure: exit 1, one line
     target = config.url or ",".join(config.cluster_nodes)
     inspection = RemoteInspection(target=target, prefix=config.prefix, usage=tuple(usage))
-    print(render_remote(inspection), file=out or sys.stdout)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(inspection), indent=2) + b"\n")
+        write_json(args.json, inspection)
+    print(render_remote(inspection), file=out or sys.stdout)
     return 0
 
 

@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-import msgspec
-
 from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.cli_errors import (
@@ -30,6 +28,7 @@ from tiered_kv.cli_errors import (
     positive_float,
     positive_int,
     positive_int_up_to,
+    write_json,
 )
 from tiered_kv.errors import TieredKVError
 from tiered_kv.optimum import compulsory_bound
@@ -176,8 +175,7 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
     progress.done()
     # The files first: a reader that closes standard output early (``| head``) must not cost them.
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(plan), indent=2) + b"\n")
+        write_json(args.json, plan)
     if args.plot:
         from tiered_kv.plan_plot import write_plan_plot
 

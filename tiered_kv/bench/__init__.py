@@ -28,7 +28,7 @@ from tiered_kv.bench.models import add_model_arguments, model_from_args
 from tiered_kv.bench.plot import PLOTTED
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.trace_option import add_trace_arguments, bench_trace
-from tiered_kv.cli_errors import EXIT_FAILED, UsageError, output_file, png_file
+from tiered_kv.cli_errors import EXIT_FAILED, UsageError, output_file, png_file, write_json
 from tiered_kv.errors import TraceFormatError
 
 SCHEMA_VERSION = 1
@@ -148,9 +148,13 @@ def run_bench(args: argparse.Namespace, sections: Sequence[BenchSection], out: A
     """Run the chosen sections; print tables; write JSON; 1 if any section failed.
 
     A failed section is one line on stderr (the traceback too under ``--log-level debug``)
-    and does not stop the others; a :class:`UsageError` stops the bench.
+    and does not stop the others; a :class:`UsageError` stops the bench. A reader that
+    closes the tables early (``| head``) stops the bench, unless it writes ``--json`` or
+    ``--plot``: then the sections run on unprinted, the files are written, and the broken
+    pipe is raised last.
     """
     out = out or sys.stdout
+    closed: BrokenPipeError | None = None
     debug = getattr(args, "log_level", None) == "debug"
     chosen = [s for s in sections if not args.sections or s.name in args.sections]
     document: dict[str, Any] = {"schema": SCHEMA_VERSION}
@@ -173,9 +177,14 @@ def run_bench(args: argparse.Namespace, sections: Sequence[BenchSection], out: A
         finally:
             progress.done()
         document[section.name] = result.payload
-        for table in result.tables:
-            print(table.render(), file=out)
-            print(file=out)
+        try:
+            for table in [] if closed else result.tables:
+                print(table.render(), file=out)
+                print(file=out, flush=True)  # a section's tables as soon as it ends
+        except BrokenPipeError as exc:
+            if not (args.json or args.plot):
+                raise
+            closed = exc
         print(f"[{section.name}: {time.perf_counter() - started:.1f} s]", file=sys.stderr)
     if args.plot:
         from tiered_kv.bench.plot import write_plot
@@ -188,6 +197,7 @@ def run_bench(args: argparse.Namespace, sections: Sequence[BenchSection], out: A
             print(f"bench plot failed: {exc}", file=sys.stderr)
     document["errors"] = errors
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(document), indent=2) + b"\n")
+        write_json(args.json, document)
+    if closed is not None:
+        raise closed
     return EXIT_FAILED if errors else 0
