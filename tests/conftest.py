@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import structlog
 from hypothesis import HealthCheck, settings
@@ -76,3 +80,16 @@ def _restore_structlog_defaults():
     yield
     structlog.reset_defaults()
     reset_loggers()
+
+
+def run_with_output_closed(*args: str) -> subprocess.CompletedProcess[str]:
+    """``tiered-kv ARGS`` writing its output into a pipe whose reader has gone (``| head``
+    after its first line, or before it)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "tiered_kv", *args], stdout=write_end, stderr=subprocess.PIPE, text=True, check=False
+        )
+    finally:
+        os.close(write_end)

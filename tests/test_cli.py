@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_with_output_closed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -526,23 +526,11 @@ def test_warnings_are_shown_by_default_except_by_inspect(
     assert configured == [level, "info"]
 
 
-def _closed_stdout_run(*args: str) -> subprocess.CompletedProcess[str]:
-    """``tiered-kv ARGS`` writing into a pipe whose reader has gone."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        return subprocess.run(
-            [sys.executable, "-m", "tiered_kv", *args], stdout=write_end, stderr=subprocess.PIPE, text=True, check=False
-        )
-    finally:
-        os.close(write_end)
-
-
 def test_a_bench_whose_reader_went_early_still_writes_its_json_and_ends_quietly(tmp_path: Path) -> None:
     """Regression (adversarial test): ``bench … --json out.json | head`` lost the JSON: the
     first table's print raised BrokenPipeError before it was written."""
     out = tmp_path / "bench.json"
-    result = _closed_stdout_run("bench", "keys", "--key-tokens", "512", "--key-repeats", "1", "--json", str(out))
+    result = run_with_output_closed("bench", "keys", "--key-tokens", "512", "--key-repeats", "1", "--json", str(out))
     assert result.returncode == EXIT_OUTPUT_CLOSED
     assert "error" not in result.stderr and "Broken pipe" not in result.stderr, result.stderr
     assert json.loads(out.read_text())["keys"]["cases"]

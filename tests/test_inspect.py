@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from conftest import make_namespace
+from conftest import make_namespace, run_with_output_closed
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
 from tiered_kv.cli import main
@@ -558,18 +558,7 @@ def test_inspect_whose_reader_went_early_still_writes_its_json(store: Path, tmp_
     """Regression (adversarial test): the report was printed before ``--json`` was written,
     so a reader that closed it early (``| head``) cost the file."""
     out = tmp_path / "inspect.json"
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "tiered_kv", "inspect", str(store), "--verify", "--json", str(out)],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-        )
-    finally:
-        os.close(write_end)
+    result = run_with_output_closed("inspect", str(store), "--verify", "--json", str(out))
     assert result.returncode == 141, result.stderr
     assert "error" not in result.stderr
     assert json.loads(out.read_text())["verified"] is True

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_with_output_closed
 
 from tiered_kv.cli import EXIT_OUTPUT_CLOSED, main
 
@@ -141,18 +139,7 @@ def test_a_reader_that_closes_the_report_early_ends_the_plan_quietly_with_its_fi
     """``tiered-kv plan ... | head``: regression, the report's print raised BrokenPipeError,
     the command said "error: [Errno 32] Broken pipe", exited 1 and wrote no --json."""
     out = tmp_path / "plan.json"
-    read_end, write_end = os.pipe()
-    os.close(read_end)  # the reader has gone before the report is printed
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "tiered_kv", "plan", "--synthetic", "chat", *SMALL, "--json", str(out)],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-        )
-    finally:
-        os.close(write_end)
+    result = run_with_output_closed("plan", "--synthetic", "chat", *SMALL, "--json", str(out))
     assert result.returncode == EXIT_OUTPUT_CLOSED
     assert "error" not in result.stderr and "Broken pipe" not in result.stderr, result.stderr
     assert json.loads(out.read_text())["trace"] == "chat"
