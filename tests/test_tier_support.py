@@ -27,6 +27,13 @@ from tiered_kv.tiers.nvme_format import (
 FINGERPRINT = bytes(range(32))
 
 
+def assert_runs_to_its_end(code: str, last_line: str) -> None:
+    """``code`` in a Python process of its own ends, with status 0, having printed ``last_line``
+    (a process, so that a hang fails the test instead of stopping the run)."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0 and result.stdout == f"{last_line}\n", result.stderr
+
+
 @contextlib.contextmanager
 def pool_of(workers: int) -> Iterator[WorkerPool]:
     pool = WorkerPool("test", workers)
@@ -210,8 +217,7 @@ def test_the_interpreter_exits_with_a_pool_nobody_shut_down() -> None:
         "pool.submit((type('B', (), {'run': lambda self, i, fn, args: done.append(fn(*args))})(), 0, len, ('ab',)))\n"
         "print('exiting')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
-    assert result.returncode == 0 and result.stdout == "exiting\n", result.stderr
+    assert_runs_to_its_end(code, "exiting")
 
 
 async def test_a_cancellation_during_a_refused_submission_is_not_lost() -> None:
@@ -372,5 +378,4 @@ def test_two_of_a_pools_threads_shutting_it_down_do_not_wait_for_each_other() ->
         "pool.shutdown()\n"
         "print('done')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
-    assert result.returncode == 0 and result.stdout == "done\n", result.stderr
+    assert_runs_to_its_end(code, "done")
