@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -548,3 +549,26 @@ def test_a_command_whose_output_cannot_be_written_fails_with_the_reason() -> Non
         )
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1].startswith("tiered-kv bench: error: [Errno 28] No space left on device")
+
+
+@pytest.mark.parametrize(("closed", "status"), [(2, 0), (1, EXIT_OUTPUT_CLOSED)])
+def test_a_command_started_with_stderr_or_stdout_closed_writes_its_files_and_says_so_by_status(
+    closed: int, status: int, tmp_path: Path
+) -> None:
+    """Regressions (adversarial test): with stderr closed (``2>&-``) plan failed on its
+    progress line and printed its error into the report; with stdout closed (``>&-``) it
+    exited 0 as if it had shown its report."""
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--synthetic", "chat", "--scale", "0.02", "--points", "2", "--policies", "lru", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "tiered_kv", *argv],
+        stdout=subprocess.PIPE if closed == 2 else subprocess.DEVNULL,
+        stderr=subprocess.PIPE if closed == 1 else subprocess.DEVNULL,
+        preexec_fn=lambda: os.close(closed),
+        text=True,
+        check=False,
+    )
+    assert result.returncode == status
+    assert json.loads(out.read_text())["trace"] == "chat"
+    if closed == 2:
+        assert result.stdout.startswith("plan: chat") and "error" not in result.stdout

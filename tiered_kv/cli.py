@@ -118,6 +118,8 @@ def describe(exc: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if sys.stderr is None:  # started with it closed (2>&-): a message must not land in the report
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115  (the process's stderr from now on)
     args, unknown = build_parser().parse_known_args(argv)
     prog = f"tiered-kv {args.command}"
     if unknown:  # named by the command they were given to, whose --help lists its options
@@ -139,8 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code: int = args.handler(args)
-        if sys.stdout is not None:
-            sys.stdout.flush()  # a reader gone since is found here, not at the interpreter's exit
+        if sys.stdout is None:  # started with it closed (>&-): nothing was shown, as with a reader gone
+            return EXIT_OUTPUT_CLOSED if code == 0 else code
+        sys.stdout.flush()  # a reader gone since is found here, not at the interpreter's exit
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -31,11 +31,13 @@ class Table(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Progress:
-    """A one-line progress indicator on stderr: ``[section] step i/n: what``."""
+    """A one-line progress indicator on stderr: ``[section] step i/n: what``. Decoration
+    only: without a stream (``2>&-``), or once writing to it fails (its reader has gone),
+    it says nothing and the command goes on."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO | None) -> None:
         self._stream = stream
-        self._tty = stream.isatty()
+        self._tty = stream is not None and stream.isatty()
         self._section = ""
 
     def section(self, name: str) -> None:
@@ -45,13 +47,17 @@ class Progress:
         width = 20
         filled = width * index // max(total, 1)
         text = f"[{self._section}] [{'#' * filled}{'.' * (width - filled)}] {index}/{total} {what}"
-        if self._tty:
-            self._stream.write("\r\033[K" + text)
-        else:
-            self._stream.write(text + "\n")
-        self._stream.flush()
+        self._write("\r\033[K" + text if self._tty else text + "\n")
 
     def done(self) -> None:
         if self._tty:
-            self._stream.write("\r\033[K")
+            self._write("\r\033[K")
+
+    def _write(self, text: str) -> None:
+        if self._stream is None:
+            return
+        try:
+            self._stream.write(text)
             self._stream.flush()
+        except OSError:
+            self._stream = None
