@@ -38,15 +38,15 @@ class Journal:
 
 
 @pytest.fixture
-def executor() -> Any:
+def pool() -> Any:
     pool = WorkerPool("test", 1)
     yield pool
     pool.shutdown()
 
 
-async def test_a_sync_after_the_host_cancelled_the_idle_committer_commits_everything(executor: Any) -> None:
+async def test_a_sync_after_the_host_cancelled_the_idle_committer_commits_everything(pool: Any) -> None:
     journal = Journal()
-    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    commits = GroupCommit(journal.commit, pool, WINDOW_S, name="test")
     commits.add(b"a", 1)
     commits._task.cancel()  # what asyncio.run does to every task on Ctrl-C
     await asyncio.sleep(0)
@@ -57,10 +57,10 @@ async def test_a_sync_after_the_host_cancelled_the_idle_committer_commits_everyt
 
 
 async def test_a_commit_in_flight_when_the_host_cancels_is_committed_again_and_its_sync_returns(
-    executor: Any,
+    pool: Any,
 ) -> None:
     journal = Journal()
-    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    commits = GroupCommit(journal.commit, pool, WINDOW_S, name="test")
     journal.gate.clear()
     commits.add(b"a", 1)
     waiting = asyncio.ensure_future(commits.sync())
@@ -78,10 +78,10 @@ async def test_a_commit_in_flight_when_the_host_cancels_is_committed_again_and_i
     await commits.close()
 
 
-async def test_a_committer_that_died_of_an_error_is_reported_not_restarted(executor: Any) -> None:
+async def test_a_committer_that_died_of_an_error_is_reported_not_restarted(pool: Any) -> None:
     journal = Journal()
     journal.fail = ValueError("a bug")
-    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    commits = GroupCommit(journal.commit, pool, WINDOW_S, name="test")
     commits.add(b"a", 1)
     with pytest.raises(TierIOError, match="failed: ValueError"):
         await commits.sync()
@@ -92,9 +92,9 @@ async def test_a_committer_that_died_of_an_error_is_reported_not_restarted(execu
         await commits.close()
 
 
-async def test_a_sync_after_close_is_an_error(executor: Any) -> None:
+async def test_a_sync_after_close_is_an_error(pool: Any) -> None:
     journal = Journal()
-    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    commits = GroupCommit(journal.commit, pool, WINDOW_S, name="test")
     commits.add(b"a", 1)
     await commits.close()
     assert journal.committed() == b"a"
@@ -103,11 +103,11 @@ async def test_a_sync_after_close_is_an_error(executor: Any) -> None:
         await commits.sync()
 
 
-async def test_a_sync_begun_while_the_cancelled_commit_was_in_its_thread_still_returns(executor: Any) -> None:
+async def test_a_sync_begun_while_the_cancelled_commit_was_in_its_thread_still_returns(pool: Any) -> None:
     """The sync waits for the commit after the one in flight; the committer, cancelled
     meanwhile, must wake it (it hung: nothing resolved the next commit's future)."""
     journal = Journal()
-    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    commits = GroupCommit(journal.commit, pool, WINDOW_S, name="test")
     journal.gate.clear()
     commits.add(b"a", 1)
     await asyncio.to_thread(journal.entered.wait)  # the commit of b"a" took its records
@@ -124,12 +124,12 @@ async def test_a_sync_begun_while_the_cancelled_commit_was_in_its_thread_still_r
 
 
 async def test_a_sync_returns_when_the_restarted_committer_is_cancelled_before_its_first_step(
-    executor: Any,
+    pool: Any,
 ) -> None:
     """Two cancel-alls in a row: the committer a sync started again is cancelled before
     it ran a line, so it resolves nothing; the sync waited for it forever."""
     journal = Journal()
-    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    commits = GroupCommit(journal.commit, pool, WINDOW_S, name="test")
     await asyncio.sleep(0)
     commits._task.cancel()  # the first sweep
     await asyncio.sleep(0)
@@ -143,13 +143,13 @@ async def test_a_sync_returns_when_the_restarted_committer_is_cancelled_before_i
     await commits.close()
 
 
-async def test_close_cancelled_while_it_commits_still_commits_what_was_queued(executor: Any) -> None:
+async def test_close_cancelled_while_it_commits_still_commits_what_was_queued(pool: Any) -> None:
     """A cancel-all cancels the nvme driver's close along with the committer while a
     commit is in flight and more records wait behind it: they were lost (the close
     marked itself closed and stopped the committer); the close raises the cancellation
     once they are committed."""
     journal = Journal()
-    commits = GroupCommit(journal.commit, executor, WINDOW_S, name="test")
+    commits = GroupCommit(journal.commit, pool, WINDOW_S, name="test")
     journal.gate.clear()
     commits.add(b"a", 1)
     await asyncio.to_thread(journal.entered.wait)  # the commit of b"a" is in its thread

@@ -150,16 +150,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: {'terminated' if terminated.received else 'interrupted'}", file=sys.stderr)
         return EXIT_TERMINATED if terminated.received else EXIT_INTERRUPTED
-    except BrokenPipeError as exc:
-        if not _stdout_closed():  # a pipe or socket of the command's own broke: a failure
-            print(f"{prog}: error: {describe(exc)} (--log-level debug shows the traceback)", file=sys.stderr)
-            return EXIT_FAILED
-        # Ends quietly, as a program the signal ended would; what the command writes to
-        # files (plan's --json) is written before its report. Standard output goes to
-        # /dev/null so that the interpreter's last flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OUTPUT_CLOSED
     except Exception as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():  # else a pipe of the command's own: a failure
+            # Ends quietly, as a program the signal ended would; the files a command was
+            # asked for are written before its report. Standard output goes to /dev/null
+            # so that the interpreter's last flush does not fail again.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return EXIT_OUTPUT_CLOSED
         if args.log_level == "debug":
             traceback.print_exc(file=sys.stderr)
             print(f"{prog}: error: {describe(exc)}", file=sys.stderr)

@@ -36,14 +36,14 @@ class _Cancelled(TierIOError):
 
 
 class GroupCommit:
-    """Records gathered on the loop and committed by ``commit(records)`` in ``executor``
+    """Records gathered on the loop and committed by ``commit(records)`` in ``pool``
     once per ``window_s``; construct inside a running loop, :meth:`close` when done."""
 
-    def __init__(self, commit: Callable[[bytes], None], executor: WorkerPool, window_s: float, *, name: str) -> None:
+    def __init__(self, commit: Callable[[bytes], None], pool: WorkerPool, window_s: float, *, name: str) -> None:
         if not window_s > 0:
             raise ValueError(f"the commit window must be positive, got {window_s}")
         self._commit = commit
-        self._executor = executor
+        self._pool = pool
         self._window_s = window_s
         self._name = name
         self._pending = bytearray()
@@ -148,7 +148,7 @@ class GroupCommit:
         self._pending.clear()
         try:
             if records:
-                await in_threads(self._executor, self._commit, [(records,)])
+                await in_threads(self._pool, self._commit, [(records,)])
         except TierError as exc:
             self._pending[:0] = records  # retried by the next commit an add or a sync asks for
             log.warning("nvme.commit_failed", committer=self._name, error=str(exc))
