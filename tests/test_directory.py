@@ -215,11 +215,16 @@ def test_an_eviction_passes_over_what_the_index_protects_and_nothing_else() -> N
     index.lease(keys[2])
     epoch.advance()
     index.lease(keys[3])  # leased in this epoch; keys[2]'s lease has expired
-    protection = Protection(index._slots, index._state, index._pins, index._lease, epoch.value, None, None)
+    protection = Protection(index._slots, index._state, index._pins, index._lease, epoch.value, None, None, READY)
     assert [protection(key) for key in keys] == [False, True, False, True, True, True, True]  # keys[6]: absent
-    keeping = Protection(index._slots, index._state, index._pins, None, -1, {keys[0]}, {keys[2]: 1})
+    keeping = Protection(index._slots, index._state, index._pins, None, -1, {keys[0]}, {keys[2]: 1}, READY)
     assert [keeping(key) for key in keys[:4]] == [True, True, True, False]  # no leases: keys[3] may go
+    # READY is the index's, passed in, not a copy of it in C: with PENDING as the readable state,
+    # only the PENDING chunks that are not pinned or leased may go.
+    pending_ready = Protection(index._slots, index._state, index._pins, index._lease, epoch.value, None, None, PENDING)
+    assert [pending_ready(key) for key in keys] == [True, True, True, True, False, False, True]
+    del pending_ready
     with pytest.raises(TypeError, match="'H' items"):
-        Protection(index._slots, index._state, array.array("i", [0]), None, -1, None, None)
+        Protection(index._slots, index._state, array.array("i", [0]), None, -1, None, None, READY)
     del protection, keeping
     index._state += b"\0"  # no buffer of it is left exported: a resize would raise BufferError

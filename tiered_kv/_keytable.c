@@ -1694,10 +1694,8 @@ struct Protection {
     Py_buffer state, pins, lease; /* lease.obj == NULL: the tier takes no leases */
     long long epoch;
     PyObject *kept, *keep; /* NULL: none */
+    unsigned char ready; /* the state of a slot whose chunk can be read (the index's READY) */
 };
-
-/* The state of a slot whose chunk can be read (directory.py's READY). */
-#define READY_STATE 2
 
 /* 1 if ``key`` must stay, 0 if it may go, -1 on an error. */
 static int
@@ -1727,7 +1725,7 @@ protection_check(Protection *p, PyObject *key)
         PyErr_Format(PyExc_IndexError, "slot %lld is outside the index's arrays", slot);
         return -1;
     }
-    return ((uint16_t *)p->pins.buf)[slot] > 0 || ((unsigned char *)p->state.buf)[slot] != READY_STATE
+    return ((uint16_t *)p->pins.buf)[slot] > 0 || ((unsigned char *)p->state.buf)[slot] != p->ready
            || (p->lease.obj != NULL && ((int32_t *)p->lease.buf)[slot] == p->epoch);
 }
 
@@ -1759,11 +1757,12 @@ typed_buffer(PyObject *obj, const char *format, Py_ssize_t itemsize, Py_buffer *
 static PyObject *
 protection_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"slots", "state", "pins", "lease", "epoch", "kept", "keep", NULL};
+    static char *names[] = {"slots", "state", "pins", "lease", "epoch", "kept", "keep", "ready", NULL};
     PyObject *slots, *state, *pins, *lease, *kept, *keep;
     long long epoch;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLOO:Protection", names, &slots, &state, &pins, &lease,
-                                     &epoch, &kept, &keep))
+    unsigned char ready;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLOOb:Protection", names, &slots, &state, &pins, &lease,
+                                     &epoch, &kept, &keep, &ready))
         return NULL;
     Protection *p = (Protection *)type->tp_alloc(type, 0);
     if (p == NULL)
@@ -1782,6 +1781,7 @@ protection_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     p->slots = Py_NewRef(slots);
     p->epoch = epoch;
+    p->ready = ready;
     p->kept = kept == Py_None ? NULL : Py_NewRef(kept);
     p->keep = keep == Py_None ? NULL : Py_NewRef(keep);
     return (PyObject *)p;
@@ -1808,7 +1808,7 @@ static PyTypeObject ProtectionType = {
     .tp_dealloc = (destructor)protection_dealloc,
     .tp_call = (ternaryfunc)protection_call,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Protection(slots, state, pins, lease, epoch, kept, keep): whether an eviction must pass a key over.",
+    .tp_doc = "Protection(slots, state, pins, lease, epoch, kept, keep, ready): whether an eviction must pass a key over.",
     .tp_new = protection_new,
 };
 

@@ -82,7 +82,7 @@ class Protection:
     """Whether an eviction must pass ``key`` over, read from a residency index's arrays:
     a key in ``kept`` or ``keep``, one absent from ``slots`` (a KeyInts, or a dict a warm
     restart handed over), or one whose slot is pinned
-    (``pins``), not READY (``state``) or leased in ``epoch`` (``lease``, if the tier takes
+    (``pins``), not ``ready`` (``state``: the index's READY) or leased in ``epoch`` (``lease``, if the tier takes
     leases). :meth:`PrefixLists.evict` asks it without a Python call."""
 
     def __init__(
@@ -94,5 +94,6 @@ class Protection:
         epoch: int,
         kept: Container[bytes] | None,
         keep: Container[bytes] | None,
+        ready: int,
     ) -> None: ...
     def __call__(self, key: bytes, /) -> bool: ...

@@ -224,6 +224,7 @@ class TierIndex:
             epoch.value if epoch is not None else -1,
             kept or None,
             keep or None,
+            READY,
         )
         victims = self._partition.make_room(owner, len(wanted), protected, self._parent_of)
         if victims is None:
