@@ -15,6 +15,7 @@ import tempfile
 from typing import Any
 
 import msgspec
+import pytest
 import torch
 from conftest import make_namespace
 from hypothesis import HealthCheck, given, settings
@@ -32,7 +33,9 @@ from tiered_kv import (
     TieredKVError,
     chunk_keys,
 )
+from tiered_kv.arguments import require_keys
 from tiered_kv.config import RemoteTierConfig
+from tiered_kv.errors import ChunkKeyError
 from tiered_kv.testing.valkey_server import ValkeyServer
 
 __all__ = ["valkey"]  # fixture
@@ -210,3 +213,14 @@ async def test_a_lookup_stops_at_a_value_that_is_not_a_chunk_key_and_raises_noth
         assert harness.kv.lookup(NULL_NS, [[keys[0], bad, keys[2]]]) == 1, bad
     assert harness.lookup(keys) == 3  # and the manager goes on serving
     await harness.kv.close()
+
+
+def test_a_key_of_a_bytes_subclass_is_refused_with_a_message_that_names_why() -> None:
+    """Regression (adversarial test): a 16-byte key of a bytes subclass was refused as
+    "a chunk key must be 16 bytes, got 16 bytes"."""
+
+    class Key(bytes):
+        pass
+
+    with pytest.raises(ChunkKeyError, match=r"got a Key \(a subclass of bytes\) of 16 bytes"):
+        require_keys([Key(16)])

@@ -101,6 +101,8 @@ def _is_index(value: object) -> bool:
 
 
 def _describe(value: object) -> str:
-    if isinstance(value, bytes):
+    if type(value) is bytes:
         return f"{len(value)} bytes"
+    if isinstance(value, bytes):  # a subclass: refused for its type, whatever its length
+        return f"a {type(value).__name__} (a subclass of bytes) of {len(value)} bytes"
     return type(value).__name__
