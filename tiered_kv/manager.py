@@ -159,7 +159,7 @@ class _StoreJob:
         return frozenset(block for _, blocks in self.group.chunks for block in blocks)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class _LoadPlan:
     """One group's part of a load: chunk keys in order and where each lands on the GPU."""
 
@@ -171,6 +171,18 @@ class _LoadPlan:
     keys: list[ChunkKey]
     blocks: list[tuple[int, ...]]
     first_blocks: list[int]
+
+
+class _Stage:
+    """How a load stages one plan's chunks in cpu: the leading run READY there (pinned),
+    then the chunks after it in order, each with the shared promotion that brings it in
+    (``None``: it was in cpu, pinned, or its promotion's claim is settled)."""
+
+    __slots__ = ("in_cpu", "promoted")
+
+    def __init__(self, in_cpu: list[ChunkKey]) -> None:
+        self.in_cpu = in_cpu
+        self.promoted: list[tuple[ChunkKey, asyncio.Task[str | None] | None]] = []
 
 
 class TieredKV:
@@ -614,7 +626,7 @@ class TieredKV:
 
     @staticmethod
     def _plan_load(
-        pool: Pool, namespace: Namespace, keys: Sequence[ChunkKey], block_ids: Sequence[int], num_tokens: int
+        pool: Pool, namespace: Namespace, keys: Sequence[ChunkKey], block_ids: list[int], num_tokens: int
     ) -> _LoadPlan:
         k, b = pool.blocks_per_chunk, pool.block_size
         if not is_int_at_least(num_tokens, 0):
@@ -622,29 +634,35 @@ class TieredKV:
         if num_tokens > len(keys) * pool.chunk_size:
             raise SpanError(f"{num_tokens} tokens need more than the {len(keys)} chunks whose keys were given")
         if pool.kind is not AttentionKind.SLIDING_WINDOW:
-            span = range(cdiv(num_tokens, b))
-            if len(block_ids) < len(span):
-                raise SpanError(f"{len(block_ids)} GPU blocks given for {num_tokens} tokens ({len(span)} blocks)")
-            pending = list(block_ids[: len(span)])
-        else:
-            assert pool.window is not None
-            validate_window_span(len(block_ids), window=pool.window, block_size=b, chunk_size=pool.chunk_size)
-            span = window_span(num_tokens, pool.window, b)
-            if len(block_ids) != len(span):
-                raise SpanError(
-                    f"{len(block_ids)} pending blocks given but the window span at {num_tokens} tokens is "
-                    f"{len(span)} blocks ({span.start}…{span.stop - 1})"
-                )
-            pending = list(block_ids)
+            # The prompt's blocks from its first: chunk c is blocks c·k … c·k + k − 1, the
+            # last one cut short (the check above bounds the chunks by the keys).
+            num_blocks = cdiv(num_tokens, b)
+            if len(block_ids) < num_blocks:
+                raise SpanError(f"{len(block_ids)} GPU blocks given for {num_tokens} tokens ({num_blocks} blocks)")
+            starts = range(0, num_blocks, k)
+            plan_blocks = [tuple(block_ids[start : min(start + k, num_blocks)]) for start in starts]
+            return _LoadPlan(
+                pool, namespace.fingerprint_hex, namespace, list(keys[: len(starts)]), plan_blocks, [0] * len(starts)
+            )
+        assert pool.window is not None
+        validate_window_span(len(block_ids), window=pool.window, block_size=b, chunk_size=pool.chunk_size)
+        span = window_span(num_tokens, pool.window, b)
+        if len(block_ids) != len(span):
+            raise SpanError(
+                f"{len(block_ids)} pending blocks given but the window span at {num_tokens} tokens is "
+                f"{len(span)} blocks ({span.start}…{span.stop - 1})"
+            )
         mapped = span_chunks(span, block_size=b, chunk_size=pool.chunk_size)
         if mapped.chunks and mapped.chunks.stop > len(keys):
             raise SpanError(f"{num_tokens} tokens need {mapped.chunks.stop} chunks but {len(keys)} keys were given")
-        # Chunk by chunk, each its blocks of ``pending`` in turn; the first may start inside
-        # its chunk (a window), so it takes fewer, and the last may be cut short.
+        # Chunk by chunk, each its blocks of the span in turn; the first may start inside
+        # its chunk, so it takes fewer, and the last may be cut short.
         first = mapped.first_block_offset
-        starts = [0, *range(k - first, len(pending), k)][: len(mapped.chunks)]
-        plan_blocks = [tuple(pending[start : start + (k - first if i == 0 else k)]) for i, start in enumerate(starts)]
-        firsts = [first] + [0] * (len(starts) - 1) if starts else []
+        window_starts = [0, *range(k - first, len(block_ids), k)][: len(mapped.chunks)]
+        plan_blocks = [
+            tuple(block_ids[start : start + (k - first if i == 0 else k)]) for i, start in enumerate(window_starts)
+        ]
+        firsts = [first] + [0] * (len(window_starts) - 1) if window_starts else []
         plan_keys = [keys[chunk] for chunk in mapped.chunks]
         return _LoadPlan(pool, namespace.fingerprint_hex, namespace, plan_keys, plan_blocks, firsts)
 
@@ -657,31 +675,31 @@ class TieredKV:
         all or nothing, since a partial window is useless to the engine.
         """
         pinned: list[tuple[Pool, list[ChunkKey]]] = []  # runs of keys pinned in a pool's cpu tier
-        pending: list[list[tuple[ChunkKey, asyncio.Task[str | None] | None]]] = []
+        stages: list[_Stage] = []
         try:
-            pending += [self._start_stage(plan, pinned) for plan in plans]  # every promotion starts now
+            stages += [self._start_stage(plan, pinned) for plan in plans]  # every promotion starts now
             staged = [
-                await self._finish_stage(plan, steps, pinned, sources)
-                for plan, steps in zip(plans, pending, strict=True)
+                await self._finish_stage(plan, stage, pinned, sources)
+                for plan, stage in zip(plans, stages, strict=True)
             ]
             windowed = [plan.pool.kind is AttentionKind.SLIDING_WINDOW for plan in plans]
-            complete = [len(slots) == len(plan.keys) for plan, slots in zip(plans, staged, strict=True)]
-            if any(windowed) and not all(complete):
+            if any(windowed) and any(len(slots) != len(plan.keys) for plan, slots in zip(plans, staged, strict=True)):
                 # A window is useless in part, and a window laid out for num_tokens is
                 # wrong for a shorter prefix: a hybrid model loads all or nothing.
                 return 0
             async with self._gate.hold(LOAD_PRIORITY):
                 for plan, slots in zip(plans, staged, strict=True):
+                    if not slots:
+                        continue
                     pool = plan.pool
                     drivers = self._drivers[pool.id]
+                    view = drivers.cpu.view
                     ops = [
-                        TransferOp(buffer=drivers.cpu.view(slot), key=key, blocks=blocks, first_block=first)
+                        TransferOp(buffer=view(slot), key=key, blocks=blocks, first_block=first)
                         for slot, key, blocks, first in zip(
                             slots, plan.keys, plan.blocks, plan.first_blocks, strict=False
                         )
                     ]
-                    if not ops:
-                        continue
                     try:
                         await drivers.gpus[rank].write(ops)
                     except TierError as exc:
@@ -696,31 +714,29 @@ class TieredKV:
             ]
             return min([num_tokens, *good])
         finally:
-            for plan, steps in zip(plans, pending, strict=False):
-                for key, task in steps:
+            for plan, stage in zip(plans, stages, strict=False):
+                for key, task in stage.promoted:
                     if task is not None:
                         self._drop_claim(plan, key, task)
             for pool, keys in pinned:
                 pool.cpu.unpin_many(keys)
 
-    def _start_stage(
-        self, plan: _LoadPlan, pinned: list[tuple[Pool, list[ChunkKey]]]
-    ) -> list[tuple[ChunkKey, asyncio.Task[str | None] | None]]:
-        """The plan's leading chunks that some tier holds (the remote tier: likely): those
-        in cpu are pinned at once, and a shared promotion into cpu starts for each of the
-        others."""
+    def _start_stage(self, plan: _LoadPlan, pinned: list[tuple[Pool, list[ChunkKey]]]) -> _Stage:
+        """The plan's leading chunks that some tier holds (the remote tier: likely): the
+        leading run in cpu is pinned at once, and after it a shared promotion into cpu
+        starts for each chunk another tier holds (one in cpu is pinned)."""
         pool = plan.pool
         namespace = plan.namespace
         hint = pool.hint
         in_cpu = pool.cpu.pin_ready_run(plan.keys, namespace)  # the usual case: all of them
-        pinned.append((pool, plan.keys[:in_cpu]))
-        steps: list[tuple[ChunkKey, asyncio.Task[str | None] | None]] = [(key, None) for key in plan.keys[:in_cpu]]
+        stage = _Stage(plan.keys[:in_cpu])
+        pinned.append((pool, stage.in_cpu))
         for i in range(in_cpu, len(plan.keys)):
             key = plan.keys[i]
             if pool.cpu.ready_for(key, namespace):
                 self._control.pin(pool, key)
                 pinned.append((pool, [key]))
-                steps.append((key, None))
+                stage.promoted.append((key, None))
             elif (pool.nvme is not None and pool.nvme.ready_for(key, namespace)) or (
                 hint is not None and hint.likely(key, namespace)
             ):
@@ -735,31 +751,32 @@ class TieredKV:
                     name=f"promote-{key.hex()[:8]}",
                 )
                 pool.claim(key, namespace)  # the promotion pins the chunk for each claim
-                steps.append((key, task))
+                stage.promoted.append((key, task))
             else:
                 break
-        return steps
+        return stage
 
     async def _finish_stage(
         self,
         plan: _LoadPlan,
-        steps: list[tuple[ChunkKey, asyncio.Task[str | None] | None]],
+        stage: _Stage,
         pinned: list[tuple[Pool, list[ChunkKey]]],
         sources: collections.Counter[str],
     ) -> list[int]:
         """Wait for the promotions, which pin what they bring in for this load; the cpu
-        slots of the leading chunks that are staged, in order. A step whose claim this
-        settles is marked done in ``steps``."""
+        slots of the leading chunks that are staged, in order. A promotion whose claim
+        this settles is marked done in ``stage``."""
         pool = plan.pool
-        if all(task is None for _, task in steps):  # all in cpu, pinned: no await, one call each
-            keys = [key for key, _ in steps]
-            self._telemetry.loaded["cpu"] += len(keys)
-            sources["cpu"] += len(keys)
-            selective = self._control.hits(pool, keys)
+        run = stage.in_cpu
+        slots: list[int] = []
+        if run:  # pinned already: no await, one call each
+            slots = pool.cpu.slots_of(run)
+            self._telemetry.loaded["cpu"] += len(run)
+            sources["cpu"] += len(run)
+            selective = self._control.hits(pool, run)
             if selective:
                 self._write_behind(pool, selective, plan.tenant)
-            return pool.cpu.slots_of(keys)
-        slots: list[int] = []
+        steps = stage.promoted
         for i, (key, task) in enumerate(steps):
             tier = "cpu"
             if task is not None:
