@@ -192,18 +192,26 @@ def test_a_store_plans_every_chunk_the_rule_admits_and_counts_every_other_as_ski
     """The rule, chunk by chunk: a chunk is stored when the table names all of its
     blocks, none of them dropped (negative), and its key is neither resident nor seen
     earlier in the call; every other chunk is skipped."""
-    control, _ = plane(cpu=64, nvme=8)
+    control, pool = plane(cpu=64, nvme=8)
     universe = keys(10)
-    stored(control, _, [universe[i] for i in sorted(resident)])
+    stored(control, pool, [universe[i] for i in sorted(resident)])
     prompt = [universe[i] for i in picks]
     table = [-1 if b in dropped else b for b in range(max(0, len(prompt) * K + extra_blocks))]
-    expected, seen = [], set()
+    expected, positions, seen = [], [], set()
     for c, key in enumerate(prompt):
         blocks = tuple(table[c * K : (c + 1) * K])
         if len(blocks) == K and min(blocks) >= 0 and key not in seen and universe.index(key) not in resident:
             seen.add(key)
             expected.append((key, blocks))
+            positions.append(c)
     plan = control.plan_store(NS, [prompt], [table])
     assert [chunk for group in plan.groups for chunk in group.chunks] == expected
     assert plan.skipped == len(prompt) - len(expected)
+    # Each stored chunk continues the key at the position before it, when that key was
+    # resident by then: stored before the call, or earlier in it.
+    order = [key for key, _ in expected]
+    for n, (key, c) in enumerate(zip(order, positions, strict=True)):
+        before = prompt[c - 1] if c else None
+        held = before is not None and (universe.index(before) in resident or before in order[:n])
+        assert pool.cpu.parent(key) == (before if held else None)
     control.verify_invariants()

@@ -186,6 +186,10 @@ class Pool:
     def resident_anywhere(self, key: ChunkKey) -> bool:
         return key in self.cpu or (self.nvme is not None and key in self.nvme)
 
+    def any_resident(self, keys: Sequence[ChunkKey]) -> bool:
+        """Whether a tier holds any of ``keys`` (at C speed: a store's usual answer is no)."""
+        return self.cpu.any_resident(keys) or (self.nvme is not None and self.nvme.any_resident(keys))
+
 
 @dataclasses.dataclass(slots=True)
 class StoreGroup:
@@ -546,19 +550,22 @@ class ControlPlane:
             whole = min(len(group_keys), len(table) // k)  # chunks the table names every block of
             skipped += len(group_keys) - whole
             held = table[: whole * k]
-            all_held = not held or min(held) >= 0  # else: look for the dropped blocks chunk by chunk
-            candidates = []
-            seen = set()
-            for c in range(whole):
-                key = group_keys[c]
-                blocks = tuple(table[c * k : (c + 1) * k])
-                if (not all_held and min(blocks) < 0) or key in seen or resident(key):
-                    skipped += 1
-                    continue
-                seen.add(key)
-                parents[key] = group_keys[c - 1] if c else None
-                candidates.append((key, blocks))
-            distinct_blocks([block for _, blocks in candidates for block in blocks], "to be stored")
+            chunk_keys = group_keys[:whole]
+            candidates = [(key, tuple(table[c * k : (c + 1) * k])) for c, key in enumerate(chunk_keys)]
+            if not held or (min(held) >= 0 and len(set(chunk_keys)) == whole and not pool.any_resident(chunk_keys)):
+                # The usual store: every chunk new, named once, over blocks the engine holds.
+                parents.update(zip(chunk_keys, [None, *chunk_keys], strict=False))  # each the one before it
+                distinct_blocks(held, "to be stored")
+            else:  # chunk by chunk: those touching a dropped block, repeated or held are skipped
+                every, candidates, seen = candidates, [], set()
+                for c, (key, blocks) in enumerate(every):
+                    if min(blocks) < 0 or key in seen or resident(key):
+                        skipped += 1
+                        continue
+                    seen.add(key)
+                    parents[key] = chunk_keys[c - 1] if c else None
+                    candidates.append((key, blocks))
+                distinct_blocks([block for _, blocks in candidates for block in blocks], "to be stored")
             planned.append((pool, candidates))
         return self._reserve_store(planned, parents, fingerprint, skipped, partial)
 

@@ -184,6 +184,10 @@ class TierIndex:
     def __len__(self) -> int:
         return len(self._slots)
 
+    def any_resident(self, keys: Iterable[ChunkKey]) -> bool:
+        """Whether any of ``keys`` is resident (PENDING or READY), with no Python call per key."""
+        return any(map(self._slots.__contains__, keys))
+
     # -- deciding ----------------------------------------------------------------------
     def reserve(
         self,
