@@ -568,14 +568,14 @@ class TierIndex:
                 parent = parent_of(key)
                 if parent is not None and parent not in resident:
                     parent = None
+                if parent is not None:  # into a free slot: a key not of _KEY_BYTES changes nothing
+                    at = _KEY_BYTES * slot
+                    parents[at : at + _KEY_BYTES] = parent
                 insert(owner, key, parent)  # first: a bad parent changes nothing
                 resident[key] = slot
                 state[slot] = state_of_all
                 names[slot] = ns
-                if parent is not None:
-                    at = _KEY_BYTES * slot
-                    parents[at : at + _KEY_BYTES] = parent
-                    has_parent[slot] = 1
+                has_parent[slot] = parent is not None
                 if other:
                     other_owner[slot] = owner
         except BaseException:
