@@ -92,3 +92,23 @@ def test_a_refused_bulk_claim_leaves_a_settled_allocator_as_it_was() -> None:
     allocator.claim(5)
     allocator.claim(3)
     assert sorted(allocator.allocate(6) or []) == [0, 1, 2, 4, 6, 7]
+
+
+def test_a_claim_past_the_never_used_slots_leaves_those_it_skips_free_lowest_first() -> None:
+    allocator = SlotAllocator(10)
+    assert allocator.allocate(2) == [0, 1]
+    allocator.claim(6)
+    assert allocator.free == 7
+    assert allocator.allocate(5) == [2, 3, 4, 5, 7]
+    allocator.release(3)
+    assert allocator.allocate(3) == [3, 8, 9] and allocator.allocate(1) is None
+
+
+def test_after_a_warm_restart_the_slots_past_the_last_claimed_are_handed_out_in_order() -> None:
+    allocator = SlotAllocator(2**20)
+    allocator.claim_many([7, 2])
+    allocator.settle()
+    assert allocator.used == 2
+    assert allocator.allocate(8) == [0, 1, 3, 4, 5, 6, 8, 9]
+    allocator.release_many([4, 0])
+    assert allocator.allocate(3) == [0, 4, 10]

@@ -88,9 +88,9 @@ class Protection:
     def __init__(
         self,
         slots: KeyInts | dict[bytes, int],
-        state: bytearray,
-        pins: array[int],
-        lease: array[int] | None,
+        state: bytearray | memoryview,
+        pins: array[int] | memoryview,
+        lease: array[int] | memoryview | None,
         epoch: int,
         kept: Container[bytes] | None,
         keep: Container[bytes] | None,

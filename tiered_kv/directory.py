@@ -12,7 +12,6 @@ and, optionally, a quota of chunks another namespace's traffic cannot take.
 
 from __future__ import annotations
 
-import array
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
 import msgspec
@@ -28,17 +27,26 @@ from tiered_kv.slots import SlotAllocator
 FREE, PENDING, READY = 0, 1, 2
 #: The most pins or hits a slot counts (pins are bounded by the loads in flight).
 _MAX_COUNT = 0xFFFF
+#: The length of a chunk key, and of each slot's record of its predecessor.
+_KEY_BYTES = 16
+
+
+def _zeros(n: int, dtype: type[np.generic]) -> memoryview:
+    """``n`` zeroed items of ``dtype``, indexed as fast as an ``array.array``: allocated
+    zeroed by the C library, so that the pages of an index of a million slots are touched
+    as chunks arrive, not all while the loop waits for the tier to be registered."""
+    return np.zeros(n, dtype).data
 
 
 class LeaseEpoch:
     """The current step of an engine that answers a lookup in one call and plans the load
     in a later one: a chunk leased in the current epoch is not evicted, and advancing the
-    epoch ends every lease at once."""
+    epoch ends every lease at once. Epochs count from 1: a slot's lease of 0 is none."""
 
     __slots__ = ("value",)
 
     def __init__(self) -> None:
-        self.value = 0
+        self.value = 1
 
     def advance(self) -> None:
         self.value += 1
@@ -53,6 +61,62 @@ class Victim(msgspec.Struct, frozen=True, gc=False, array_like=True):
     namespace: str
     #: The chunk before it in its prompt (``None``: the first, or not known).
     parent: ChunkKey | None = None
+
+
+class _NamespaceIds:
+    """A small number for each namespace holding chunks in a tier, which each slot keeps
+    instead of a reference to the name: an array of numbers is a few bytes a slot that
+    the cyclic garbage collector never visits. A number is reused once the last chunk of
+    its namespace leaves, so tenants coming and going (a cache salt per user) do not grow
+    the table."""
+
+    __slots__ = ("_id_of", "_unused", "held_by", "names")
+
+    def __init__(self) -> None:
+        #: Each number's namespace (``None``: unused; 0 stands for no namespace, a free slot) …
+        self.names: list[str | None] = [None]
+        #: … and the chunks that hold it (the index counts them down itself as they
+        #: leave, :meth:`forget`-ting a number at 0: one call less per chunk).
+        self.held_by = [0]
+        self._id_of: dict[str, int] = {}
+        self._unused: list[int] = []
+
+    def id_of(self, namespace: str) -> int:
+        """The number of ``namespace`` (0: it holds no chunk here)."""
+        return self._id_of.get(namespace, 0)
+
+    def hold(self, namespace: str, n: int) -> int:
+        """Count ``n`` more chunks of ``namespace``; its number."""
+        ns = self._id_of.get(namespace)
+        if ns is None:
+            if self._unused:
+                ns = self._unused.pop()
+                self.names[ns] = namespace
+            else:
+                ns = len(self.names)
+                self.names.append(namespace)
+                self.held_by.append(0)
+            self._id_of[namespace] = ns
+        self.held_by[ns] += n
+        return ns
+
+    def release(self, ns: int, n: int) -> None:
+        """Count ``n`` fewer chunks of number ``ns``, forgetting it with its last."""
+        self.held_by[ns] -= n
+        if not self.held_by[ns]:
+            self.forget(ns)
+
+    def forget(self, ns: int) -> None:
+        """Make number ``ns``, which no chunk holds any more, free for another namespace."""
+        name = self.names[ns]
+        assert name is not None and not self.held_by[ns]
+        del self._id_of[name]
+        self.names[ns] = None
+        self._unused.append(ns)
+
+    def held(self) -> dict[int, int]:
+        """The chunks each number in use holds."""
+        return {ns: held for ns, held in enumerate(self.held_by) if held}
 
 
 class Reservation:
@@ -73,7 +137,8 @@ class TierIndex:
     slot: it grows without a full rehash, which at a million keys would hold the loop
     for tens of ms) and a few bytes in arrays indexed by slot, not an object: a tier of
     a million chunks costs tens of MB of index, not hundreds (``tiered-kv bench scale``
-    measures it).
+    measures it). Nothing kept per slot is a Python container either, whose every item
+    each full pass of the cyclic garbage collector would visit.
     """
 
     def __init__(
@@ -87,18 +152,22 @@ class TierIndex:
         self._allocator = SlotAllocator(partition.capacity)
         n = partition.capacity
         self._slots = KeyInts()
-        self._state = bytearray(n)
-        self._pins = array.array("H", bytes(2 * n))
-        self._hits = array.array("H", bytes(2 * n)) if count_hits else None
-        #: The lease epoch in which each slot's chunk was last leased (-1: never).
-        self._lease = array.array("i", [-1]) * n if epoch is not None else None
-        #: The namespace each slot's chunk belongs to (the only one that may read it) …
-        self._namespace: list[str | None] = [None] * n
+        self._state = _zeros(n, np.uint8)
+        self._pins = _zeros(n, np.uint16)
+        self._hits = _zeros(n, np.uint16) if count_hits else None
+        #: The lease epoch in which each slot's chunk was last leased (0: never).
+        self._lease = _zeros(n, np.int32) if epoch is not None else None
+        #: The namespace each slot's chunk belongs to (the only one that may read it), by
+        #: its number in ``_namespaces`` (0: a free slot) …
+        self._namespaces = _NamespaceIds()
+        self._namespace = _zeros(n, np.uint32)
         #: … and, where it is not the same, the share it counts in (a tenant past
         #: ``max_tenants`` counts in the model's share).
         self._other_owner: dict[int, str] = {}
-        #: Each slot's chunk's predecessor, as it was stored (see :meth:`reserve`).
-        self._parent: list[ChunkKey | None] = [None] * n
+        #: Each slot's chunk's predecessor, as it was stored (see :meth:`reserve`): its
+        #: bytes at ``_KEY_BYTES * slot``, where ``_has_parent`` says there is one.
+        self._parent = _zeros(_KEY_BYTES * n, np.uint8)
+        self._has_parent = _zeros(n, np.uint8)
         self._partition = partition
         self._pinned = 0
         #: Chunks recorded so far by a warm restart in progress (``None``: none is), and
@@ -133,19 +202,25 @@ class TierIndex:
         return self._owner_of(self._require(key))
 
     def _owner_of(self, slot: int) -> str:
-        owner = self._other_owner.get(slot, self._namespace[slot])
-        assert owner is not None
-        return owner
+        return self._other_owner.get(slot) or self._namespace_at(slot)
 
-    def namespace(self, key: ChunkKey) -> str:
-        """The namespace ``key`` belongs to."""
-        namespace = self._namespace[self._require(key)]
+    def _namespace_at(self, slot: int) -> str:
+        namespace = self._namespaces.names[self._namespace[slot]]
         assert namespace is not None
         return namespace
 
+    def namespace(self, key: ChunkKey) -> str:
+        """The namespace ``key`` belongs to."""
+        return self._namespace_at(self._require(key))
+
     def parent(self, key: ChunkKey) -> ChunkKey | None:
         """The predecessor ``key`` was stored with (``None``: first of its prompt, or unknown)."""
-        return self._parent[self._require(key)]
+        return self._parent_at(self._require(key))
+
+    def _parent_at(self, slot: int) -> ChunkKey | None:
+        if not self._has_parent[slot]:
+            return None
+        return ChunkKey(self._parent[_KEY_BYTES * slot : _KEY_BYTES * (slot + 1)].tobytes())
 
     def pins(self, key: ChunkKey) -> int:
         return self._pins[self._require(key)]
@@ -158,23 +233,28 @@ class TierIndex:
         """Whether ``key`` is READY and belongs to ``namespace``: a tenant handed another
         tenant's keys gets a miss, never its bytes."""
         slot = self._slots.get(key)
-        return slot is not None and self._state[slot] == READY and self._namespace[slot] == namespace
+        return (
+            slot is not None
+            and self._state[slot] == READY
+            and self._namespace[slot] == self._namespaces.id_of(namespace)
+        )
 
     def ready_run(self, keys: Sequence[ChunkKey], namespace: str, start: int, stop: int) -> int:
         """The first position in ``start … stop − 1`` whose key is not READY for
         ``namespace`` (``stop`` when all are): :meth:`ready_for` over a run, the lookup's
         hot loop, with no call per key."""
         slots, state, names = self._slots, self._state, self._namespace
+        ns = self._namespaces.id_of(namespace)  # 0 if it holds nothing here: no resident slot has it
         for i in range(start, stop):
             slot = slots.get(keys[i])
-            if slot is None or state[slot] != READY or names[slot] != namespace:
+            if slot is None or state[slot] != READY or names[slot] != ns:
                 return i
         return stop
 
     def state_for(self, key: ChunkKey, namespace: str) -> int:
         """``READY`` or ``PENDING`` for a chunk of ``namespace``; ``FREE`` for any other key."""
         slot = self._slots.get(key)
-        if slot is None or self._namespace[slot] != namespace:
+        if slot is None or self._namespace[slot] != self._namespaces.id_of(namespace):
             return FREE
         return self._state[slot]
 
@@ -234,13 +314,16 @@ class TierIndex:
         if victims is None:
             return None
         evicted = []
-        pop, names, parent_at = self._slots.pop, self._namespace, self._parent
+        pop, ids, names = self._slots.pop, self._namespace, self._namespaces.names
+        parent_keys, has_parent = self._parent, self._has_parent
         for victim_owner, victim_keys in victims.items():
             for victim in victim_keys:
                 slot = pop(victim)
-                victim_namespace = names[slot]
+                victim_namespace = names[ids[slot]]
                 assert victim_namespace is not None
-                evicted.append(Victim(victim, slot, victim_owner, victim_namespace, parent_at[slot]))
+                at = _KEY_BYTES * slot  # _parent_at, without a call per victim
+                parent = parent_keys[at : at + _KEY_BYTES].tobytes() if has_parent[slot] else None
+                evicted.append(Victim(victim, slot, victim_owner, victim_namespace, parent))
         self._free_many([victim.slot for victim in evicted])
         slots = self._allocator.allocate(len(wanted))
         if slots is None:  # pragma: no cover - make_room made exactly enough room
@@ -261,7 +344,7 @@ class TierIndex:
             self.restore(victim.key, victim.slot, victim.owner, victim.namespace, victim.parent)
 
     def _parent_of(self, key: ChunkKey) -> ChunkKey | None:
-        return self._parent[self._slots[key]]
+        return self._parent_at(self._slots[key])
 
     # -- applying ----------------------------------------------------------------------
     def mark_ready(self, key: ChunkKey) -> None:
@@ -272,7 +355,7 @@ class TierIndex:
 
     def mark_ready_many(self, keys: Iterable[ChunkKey]) -> list[str]:
         """:meth:`mark_ready` on each of ``keys``; the namespaces they belong to, in order."""
-        state, names, resident = self._state, self._namespace, self._slots
+        state, ids, names, resident = self._state, self._namespace, self._namespaces.names, self._slots
         namespaces = []
         for key in keys:
             slot = resident.get(key)
@@ -281,7 +364,7 @@ class TierIndex:
             if state[slot] == READY:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already ready")
             state[slot] = READY
-            namespace = names[slot]
+            namespace = names[ids[slot]]
             assert namespace is not None
             namespaces.append(namespace)
         return namespaces
@@ -334,10 +417,11 @@ class TierIndex:
             if len(self._slots) != before + len(keys):
                 raise TieredKVError(f"{self.tier}: a restored chunk is already resident")
         self._allocator.claim_many(slots)
-        np.frombuffer(self._state, dtype=np.uint8)[np.asarray(slots, dtype=np.int64)] = READY
-        names = self._namespace
-        for slot in slots:
-            names[slot] = namespace
+        if not slots:
+            return
+        index = np.asarray(slots, dtype=np.int64)
+        np.frombuffer(self._state, dtype=np.uint8)[index] = READY
+        np.frombuffer(self._namespace, dtype=np.uint32)[index] = self._namespaces.hold(namespace, len(slots))
         self._partition.insert_many(namespace, keys)
         self._restoring += len(keys)
 
@@ -381,24 +465,25 @@ class TierIndex:
     def pin_for_copy(self, keys: Iterable[ChunkKey]) -> list[Victim]:
         """Pin each of ``keys`` (resident) while its bytes are copied out of this tier; what
         the copy needs of each: its slot, owner, namespace and predecessor."""
-        names, parents, other = self._namespace, self._parent, self._other_owner
+        ids, names, parent_at, other = self._namespace, self._namespaces.names, self._parent_at, self._other_owner
         pin = self.pin
         chunks = []
         for key in keys:
             slot = pin(key)
-            namespace = names[slot]
+            namespace = names[ids[slot]]
             assert namespace is not None
-            chunks.append(Victim(key, slot, other.get(slot, namespace), namespace, parents[slot]))
+            chunks.append(Victim(key, slot, other.get(slot, namespace), namespace, parent_at(slot)))
         return chunks
 
     def pin_ready_run(self, keys: Sequence[ChunkKey], namespace: str) -> int:
         """Pin the leading run of ``keys`` READY for ``namespace``; how many (a load's
         chunks already in cpu, in one call and one pass)."""
         slot_of, state, names, pins = self._slots.get, self._state, self._namespace, self._pins
+        ns = self._namespaces.id_of(namespace)
         n = 0
         for key in keys:
             slot = slot_of(key)
-            if slot is None or state[slot] != READY or names[slot] != namespace:  # ready_for
+            if slot is None or state[slot] != READY or names[slot] != ns:  # ready_for
                 break
             count = pins[slot]
             if count >= _MAX_COUNT:
@@ -432,12 +517,12 @@ class TierIndex:
     def hit_many(self, keys: Sequence[ChunkKey]) -> list[int]:
         """:meth:`hit` on each of ``keys`` (READY, in order); their new hit counts."""
         slots, hits, other = self._slots, self._hits, self._other_owner
-        names, policy_of = self._namespace, self._partition.policy
+        ids, names, policy_of = self._namespace, self._namespaces.names, self._partition.policy
         touched_by: str | None = None  # the owner whose policy ``touch`` is (they are usually all one)
         counts = []
         for key in keys:
             slot = slots[key]
-            owner = (other.get(slot) or names[slot]) if other else names[slot]
+            owner = (other.get(slot) or names[ids[slot]]) if other else names[ids[slot]]
             assert owner is not None
             if owner != touched_by:
                 touch, touched_by = policy_of(owner).touch, owner
@@ -471,36 +556,59 @@ class TierIndex:
         ``owner``'s share, continuing the predecessor ``parent_of`` names if that was
         resident before it (a link to a chunk that was not could later close a cycle,
         and a cycle is never evictable)."""
-        resident, state, names, parent_at = self._slots, self._state, self._namespace, self._parent
+        resident, state, names, parents, has_parent = (
+            self._slots,
+            self._state,
+            self._namespace,
+            self._parent,
+            self._has_parent,
+        )
+        if not reserved:  # no number for a namespace with no chunk: none would free it
+            return
         insert, other_owner, other = self._partition.insert, self._other_owner, owner != namespace
-        for key, slot in reserved.items():
-            parent = parent_of(key)
-            if parent is not None and parent not in resident:
-                parent = None
-            insert(owner, key, parent)  # first: a bad parent changes nothing
-            resident[key] = slot
-            state[slot] = state_of_all
-            names[slot] = namespace
-            parent_at[slot] = parent
-            if other:
-                other_owner[slot] = owner
+        ns = self._namespaces.hold(namespace, len(reserved))
+        try:
+            for key, slot in reserved.items():
+                parent = parent_of(key)
+                if parent is not None and parent not in resident:
+                    parent = None
+                if parent is not None:  # into a free slot: a key not of _KEY_BYTES changes nothing
+                    at = _KEY_BYTES * slot
+                    parents[at : at + _KEY_BYTES] = parent
+                insert(owner, key, parent)  # first: a bad parent changes nothing
+                resident[key] = slot
+                state[slot] = state_of_all
+                names[slot] = ns
+                has_parent[slot] = parent is not None
+                if other:
+                    other_owner[slot] = owner
+        except BaseException:
+            # The keys recorded are the ones now resident (none was before).
+            self._namespaces.release(ns, sum(1 for key in reserved if key not in resident))
+            raise
 
     def _free_many(self, slots: list[int]) -> None:
         """Clear what the index keeps of each of ``slots`` and give them back to the allocator."""
         if not slots:
             return
-        state, names, parent_at, release = self._state, self._namespace, self._parent, self._allocator.release
+        state, names, has_parent = self._state, self._namespace, self._has_parent
+        held, forget = self._namespaces.held_by, self._namespaces.forget
         hits, lease, other_owner = self._hits, self._lease, self._other_owner
         for slot in slots:
             state[slot] = FREE
+            has_parent[slot] = 0
             if hits is not None:
                 hits[slot] = 0
             if lease is not None:
-                lease[slot] = -1
-            names[slot] = parent_at[slot] = None
+                lease[slot] = 0
+            ns = names[slot]
+            names[slot] = 0
+            held[ns] -= 1
+            if not held[ns]:
+                forget(ns)
             if other_owner:
                 other_owner.pop(slot, None)
-            release(slot)
+        self._allocator.release_many(slots)
 
     def _require(self, key: ChunkKey) -> int:
         slot = self._slots.get(key)
@@ -519,13 +627,22 @@ class TierIndex:
             raise TieredKVError(
                 f"{self.tier}: {len(self._slots)} chunks but the partition counts {self._partition.used}"
             )
+        held: dict[int, int] = {}
         for key, slot in self._slots.items():
-            if self._namespace[slot] is None or self._state[slot] == FREE:
+            ns = self._namespace[slot]
+            if self._namespaces.names[ns] is None or self._state[slot] == FREE:
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} has a slot marked free")
             if not self._partition.contains(self._owner_of(slot), key):
                 raise TieredKVError(f"{self.tier}: chunk {key.hex()} is missing from its owner's policy")
+            held[ns] = held.get(ns, 0) + 1
+        if held != self._namespaces.held():
+            raise TieredKVError(f"{self.tier}: the chunks counted per namespace are off")
         in_use = set(slots)
-        if any(self._state[slot] != FREE or self._pins[slot] for slot in range(self.num_slots) if slot not in in_use):
-            raise TieredKVError(f"{self.tier}: a free slot holds state or pins")
+        if any(
+            self._state[slot] != FREE or self._pins[slot] or self._namespace[slot] or self._has_parent[slot]
+            for slot in range(self.num_slots)
+            if slot not in in_use
+        ):
+            raise TieredKVError(f"{self.tier}: a free slot holds state, pins, a namespace or a predecessor")
         if self._pinned != sum(1 for slot in slots if self._pins[slot]):
             raise TieredKVError(f"{self.tier}: pinned-chunk count is off")

@@ -9,64 +9,82 @@ import numpy as np
 
 from tiered_kv.errors import TieredKVError
 
-_TAKEN = -1
+#: A slot's place in the free list, as kept: 0 for a slot in use (or never used) …
+_TAKEN = 0
+#: … and -1 for one claimed in bulk, until settle().
+_CLAIMED = -1
 
 
 class SlotAllocator:
-    """Free-list of ``num_slots`` slot indices; :meth:`allocate` takes n or none.
+    """Free slots among ``num_slots`` slot indices; :meth:`allocate` takes n or none.
 
-    Every operation costs O(1) per slot, :meth:`claim` too: a warm restart claims each
-    recovered slot in turn. Two compact integer arrays, the free list and each slot's
-    place in it, keep 8 bytes per slot (16 past 2**31 slots).
+    Slots from ``top`` on were never used: they are free without being listed, so that
+    a tier of a million slots is set up in O(1) rather than by writing a million list
+    entries while the loop waits. Slots released below ``top`` go into a free list,
+    handed out (most recently released first) before new ones; each slot's place in it
+    lets :meth:`claim` take a specific slot in O(1), as a warm restart claims each
+    recovered slot in turn. About 4 bytes per slot (8 past 2**31 slots), plus 4 (8) per
+    slot in the free list.
     """
 
-    __slots__ = ("_at", "_dtype", "_free", "_unsettled", "num_slots")
+    __slots__ = ("_at", "_dtype", "_free", "_top", "_unsettled", "num_slots")
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         self.num_slots = num_slots
-        typecode, dtype = ("i", np.int32) if num_slots < 2**31 else ("q", np.int64)
+        typecode, dtype = ("i", np.int32) if num_slots < 2**31 - 1 else ("q", np.int64)
         self._dtype = dtype
         self._unsettled = False
-        # Popped from the end: low slot numbers are handed out first (a claim moves the
-        # last free slot into the claimed one's place).
-        descending = np.arange(num_slots - 1, -1, -1, dtype=dtype).tobytes()
-        self._free = array.array(typecode, descending)
-        #: Where each free slot is in ``_free``; ``_TAKEN`` for a slot in use.
-        self._at = array.array(typecode, descending)
+        #: Slots from here on were never used.
+        self._top = 0
+        #: Released slots below ``_top``, popped from the end.
+        self._free = array.array(typecode)
+        #: One more than each listed slot's place in ``_free`` (``_TAKEN``: not listed).
+        #: Zeroed by the C library, so its pages are touched only as slots are used.
+        self._at = np.zeros(num_slots, dtype).data
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_slots - self._top
 
     @property
     def used(self) -> int:
-        return self.num_slots - len(self._free)
+        return self.num_slots - self.free
 
     def allocate(self, n: int) -> list[int] | None:
         """``n`` free slots, or ``None`` (and nothing taken) when fewer are free."""
-        if self._unsettled:
-            raise TieredKVError("slots were claimed in bulk: settle() first")
-        if n > len(self._free):
+        self._require_settled()
+        if n > self.free:
             return None
         if n <= 0:
             return []
-        taken = self._free[-n:].tolist()[::-1]
-        del self._free[-n:]
+        listed = min(n, len(self._free))
+        taken = self._free[len(self._free) - listed :].tolist()[::-1]
+        del self._free[len(self._free) - listed :]
+        at = self._at
         for slot in taken:
-            self._at[slot] = _TAKEN
+            at[slot] = _TAKEN
+        top = self._top
+        self._top = top + n - listed
+        taken += range(top, self._top)
         return taken
 
     def claim(self, slot: int) -> None:
         """Take a specific slot (the slot already holds a chunk)."""
-        if self._unsettled:
-            raise TieredKVError("slots were claimed in bulk: settle() first")
-        if not 0 <= slot < self.num_slots or self._at[slot] == _TAKEN:
+        self._require_settled()
+        if not 0 <= slot < self.num_slots or (slot < self._top and self._at[slot] == _TAKEN):
             raise TieredKVError(f"slot {slot} is not free")
-        place, last = self._at[slot], self._free[-1]
+        if slot >= self._top:  # the never-used slots it skips are listed, lowest last
+            skipped = np.arange(slot - 1, self._top - 1, -1, dtype=self._dtype)
+            start = len(self._free)
+            self._free.frombytes(skipped.tobytes())
+            np.frombuffer(self._at, dtype=self._dtype)[skipped] = np.arange(start + 1, len(self._free) + 1)
+            self._top = slot + 1
+            return
+        place, last = self._at[slot] - 1, self._free[-1]
         self._free[place] = last
-        self._at[last] = place
+        self._at[last] = place + 1
         self._free.pop()
         self._at[slot] = _TAKEN
 
@@ -78,32 +96,51 @@ class SlotAllocator:
         index = np.asarray(slots, dtype=np.int64)
         if not index.size:
             return
-        if index.min() < 0 or index.max() >= self.num_slots or (at[index] == _TAKEN).any():
-            raise TieredKVError("a claimed slot is not free, or not a slot")
+        if index.min() < 0 or index.max() >= self.num_slots:
+            raise TieredKVError("a claimed slot is not a slot")
+        if (((index < self._top) & (at[index] == _TAKEN)) | (at[index] == _CLAIMED)).any():
+            raise TieredKVError("a claimed slot is not free")
         # A slot named twice keeps only the later of two distinct marks: read them back
         # (no sort), and put the slots back as they were if one is missing.
         before = at[index]
-        marks = np.arange(index.size, dtype=self._dtype)
+        marks = np.arange(1, index.size + 1, dtype=self._dtype)
         at[index] = marks
         if not np.array_equal(at[index], marks):
             at[index] = before
             raise TieredKVError("a slot is claimed twice")
-        at[index] = _TAKEN
+        at[index] = _CLAIMED
         self._unsettled = True
 
     def settle(self) -> None:
         """Rebuild the free list after :meth:`claim_many`: the slots not taken, lowest
-        handed out first."""
+        handed out first; the slots past the last taken one are never-used again."""
+        if not self._unsettled:
+            return
         at = np.frombuffer(self._at, dtype=self._dtype)
-        free = np.flatnonzero(at != _TAKEN)[::-1].astype(self._dtype)
-        self._free = array.array(self._free.typecode, free.tobytes())
-        at[free] = np.arange(free.size, dtype=self._dtype)
+        taken = at == _CLAIMED
+        taken[: self._top] |= at[: self._top] == _TAKEN
+        last = np.flatnonzero(taken)[-1:]
+        top = int(last[0]) + 1 if last.size else 0
+        free = np.flatnonzero(~taken[:top])[::-1]
+        self._free = array.array(self._free.typecode, free.astype(self._dtype).tobytes())
+        at[:] = _TAKEN
+        at[free] = np.arange(1, free.size + 1)
+        self._top = top
         self._unsettled = False
 
     def release(self, slot: int) -> None:
+        self.release_many((slot,))
+
+    def release_many(self, slots: Sequence[int]) -> None:
+        """:meth:`release` each of ``slots``, in order."""
+        self._require_settled()
+        at, free, top = self._at, self._free, self._top
+        for slot in slots:
+            if not 0 <= slot < top or at[slot] != _TAKEN:
+                raise TieredKVError(f"slot {slot} is not allocated")
+            free.append(slot)
+            at[slot] = len(free)
+
+    def _require_settled(self) -> None:
         if self._unsettled:
             raise TieredKVError("slots were claimed in bulk: settle() first")
-        if not 0 <= slot < self.num_slots or self._at[slot] != _TAKEN:
-            raise TieredKVError(f"slot {slot} is not allocated")
-        self._at[slot] = len(self._free)
-        self._free.append(slot)
