@@ -603,3 +603,21 @@ async def test_statistics_give_each_tenants_share_of_each_tier(h: Harness) -> No
     assert shares[(NS.fingerprint_hex, "cpu")] == 2
     assert shares[(tenant.fingerprint_hex, "cpu")] == 3
     assert {s.model_id for s in h.kv.statistics().namespaces} == {NS.model_id}
+
+
+async def test_a_new_tenants_first_store_reads_no_installed_distributions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant's first store builds its policies on the event loop: reading the
+    installed distributions' entry points there cost milliseconds per tier (issue 10)."""
+    import tiered_kv.registry as registry_module
+
+    async with TieredKV(config(nvme_chunks=None), tiers=NullTiers()) as kv:
+        await kv.register(NS, gpu_tensors())  # the policy and drivers' plug-ins are loaded now
+        reads = []
+        real = registry_module.entry_points
+        monkeypatch.setattr(registry_module, "entry_points", lambda **kw: reads.append(kw) or real(**kw))
+        for salt in ("alice", "bob"):
+            tenant = make_namespace(cache_salt=salt)
+            await kv.store(tenant, request_id=salt, keys=[keys_for(1, ns=tenant)], block_ids=[blocks_for(1)])
+            await kv.finish_request(salt)
+            assert kv.lookup(tenant, [keys_for(1, ns=tenant)]) == 1
+        assert reads == []

@@ -54,3 +54,36 @@ def test_unknown_name_lists_what_is_available(monkeypatch: pytest.MonkeyPatch) -
         registry.get("gpu2")
     assert isinstance(caught.value, TieredKVError) and isinstance(caught.value, LookupError)
     assert caught.value.available == ["cpu", "nvme"]
+
+
+class CountingEntryPoints(FakeEntryPoints):
+    def __init__(self, points: list[EntryPoint]) -> None:
+        super().__init__(points)
+        self.reads = 0
+
+    def __call__(self, *, group: str) -> list[EntryPoint]:
+        self.reads += 1
+        return super().__call__(group=group)
+
+
+def test_an_entry_point_is_read_and_loaded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every new tenant builds its policies through the registry, on the event loop:
+    reading the installed distributions each time cost milliseconds per tier."""
+    points = CountingEntryPoints([EntryPoint(name="ordered", value="collections:OrderedDict", group="demo.group")])
+    monkeypatch.setattr(registry_module, "entry_points", points)
+    registry: Registry[object] = Registry("demo.group", "demo plug-in")
+    first = registry.get("ordered")
+    assert [registry.get("ordered") for _ in range(3)] == [first] * 3
+    assert points.reads == 1
+    # A name not loaded yet is looked for again: a plug-in installed meanwhile is found.
+    points.points.append(EntryPoint(name="later", value="json:dumps", group="demo.group"))
+    import json
+
+    assert registry.get("later") is json.dumps
+    assert points.reads == 2
+    # A registration still shadows a loaded entry point, and gives it back when it goes.
+    marker = object()
+    registry.register("ordered", marker)
+    assert registry.get("ordered") is marker
+    registry.unregister("ordered")
+    assert registry.get("ordered") is first
