@@ -320,11 +320,11 @@ class TierIndex:
         namespace = owner if namespace is None else namespace
         wanted = list(dict.fromkeys(keys))
         parent_of = (parents or {}).get
-        for key in wanted:
-            if key in self._slots:
-                raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
+        resident = self._slots.__contains__
+        for key in filter(resident, wanted):
+            raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         # The new chunks' resident predecessors stay, and with them every chunk before them.
-        kept = {parent for parent in map(parent_of, wanted) if parent is not None and parent in self._slots}
+        kept = set(filter(resident, filter(None, map(parent_of, wanted))))
         leases, epoch = self._lease, self._epoch
         # Those, and every chunk not READY, pinned or leased in this epoch: the eviction
         # walk reads the index's arrays in C (a Python call per key passed it, before).
@@ -346,8 +346,14 @@ class TierIndex:
         slots = self._allocator.allocate(len(wanted))
         if slots is None:  # pragma: no cover - make_room made exactly enough room
             raise TieredKVError(f"{self.tier}: allocator lost track of free slots")
-        self._occupy_many(wanted, slots, owner, namespace, PENDING, parent_of)
-        return Reservation(dict(zip(wanted, slots, strict=True)), evicted)
+        reserved = dict(zip(wanted, slots, strict=True))
+        try:
+            self._occupy_many(wanted, slots, owner, namespace, PENDING, parent_of)
+        except BaseException:
+            # Nothing is reserved after all: the keys recorded go, the victims come back.
+            self.unreserve(Reservation({key: reserved[key] for key in filter(resident, wanted)}, evicted))
+            raise
+        return Reservation(reserved, evicted)
 
     def unreserve(self, reservation: Reservation) -> None:
         """Undo a reservation before anything was copied: drop its PENDING chunks and put
@@ -517,7 +523,8 @@ class TierIndex:
         ``owner``'s share, continuing the predecessor ``parent_of`` names if that was
         resident before it (a link to a chunk that was not could later close a cycle,
         and a cycle is never evictable). The policy is told of each key first, so a bad
-        predecessor changes nothing; if it raises, the keys before stay recorded."""
+        predecessor changes nothing; if it raises, the keys before stay recorded and the
+        slots of the others are free again."""
         if not keys:  # no number for a namespace with no chunk: none would free it
             return
         ns = self._namespaces.hold(namespace, len(keys))
@@ -527,7 +534,9 @@ class TierIndex:
             )
         except BaseException:
             # The keys recorded are the ones now resident (none was before).
-            self._namespaces.release(ns, sum(1 for key in keys if key not in self._slots))
+            unrecorded = [slot for key, slot in zip(keys, slots, strict=True) if key not in self._slots]
+            self._namespaces.release(ns, len(unrecorded))
+            self._allocator.release_many(unrecorded)
             raise
 
     def _free_many(self, slots: list[int]) -> None:
