@@ -404,8 +404,9 @@ class TierIndex:
 
         ``chunks``, key → slot of every chunk the store holds, becomes the index's map
         as it is, not copied (the caller gives it up), so that a million chunks cost the
-        loop no table building; the batches are then its items. Without it, each batch
-        adds its own chunks to the map."""
+        loop no table building (a plain mapping is copied into one: the index's C steps
+        read a KeyInts); the batches are then its items. Without it, each batch adds its
+        own chunks to the map."""
         if self._slots or self._partition.used or self._restoring is not None:
             raise TieredKVError(f"{self.tier}: a warm restart starts from an empty index")
         if chunks is not None:
