@@ -227,4 +227,5 @@ def test_an_eviction_passes_over_what_the_index_protects_and_nothing_else() -> N
     with pytest.raises(TypeError, match="'H' items"):
         Protection(index._slots, index._state, array.array("i", [0]), None, -1, None, None, READY)
     del protection, keeping
+    del index._records  # the index's own per-chunk steps hold its arrays for its life
     index._state.release()  # no buffer of it is left exported: releasing one would raise BufferError

@@ -1812,6 +1812,665 @@ static PyTypeObject ProtectionType = {
     .tp_new = protection_new,
 };
 
+/* -- a residency index's per-slot records (tiered_kv/directory.py) ------------------- */
+
+/* The most pins or hits a slot counts (the index's _MAX_COUNT), and the length of a
+ * chunk key, which each slot's record of its predecessor holds. */
+#define MAX_COUNT 0xFFFF
+#define KEY_BYTES 16
+
+/* The per-chunk steps of a residency index over its own arrays: its key -> slot table,
+ * each slot's state, pins, hits and lease, namespace number and predecessor, and the
+ * namespaces' names and counts of chunks. One call per batch of a store or a load runs
+ * what was a Python step per chunk; the index keeps the same objects for its colder
+ * steps. Holds no reference to the index, so no cycle passes through it. */
+typedef struct {
+    PyObject_HEAD
+    Table *slots;
+    Py_buffer state, pins, hits, lease, namespace, parent, has_parent; /* hits, lease: obj NULL if not kept */
+    Py_ssize_t size; /* slots in each array */
+    PyObject *names; /* list: each namespace number's name (None: unused) */
+    PyObject *held_by; /* list: the chunks holding each number */
+    PyObject *other_owner; /* dict: slot -> the share a chunk counts in, where not its namespace */
+    PyObject *victim; /* the type of an evicted chunk's record */
+    PyObject *tier; /* str: the tier, in messages */
+    PyObject *error; /* the exception type of a misuse */
+    unsigned char ready;
+    Py_ssize_t pinned; /* chunks with at least one pin */
+} Records;
+
+#define U8(view) ((unsigned char *)(view).buf)
+#define U16(view) ((uint16_t *)(view).buf)
+#define I32(view) ((int32_t *)(view).buf)
+#define U32(view) ((uint32_t *)(view).buf)
+
+/* Take resident ``key`` out of the table (found again: making its record may have run a
+ * collection). */
+static int
+pop_key(Records *r, PyObject *key)
+{
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1)
+        return -1;
+    int32_t *link = locate(r->slots, key, hash);
+    if (link == NULL) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return -1;
+    }
+    long long ignored;
+    take(r->slots, link, &ignored);
+    return 0;
+}
+
+/* Raise the index's error "<tier>: chunk <hex> <what>"; NULL. */
+static PyObject *
+chunk_error(Records *r, PyObject *key, const char *what)
+{
+    PyObject *hex = PyObject_CallMethod(key, "hex", NULL);
+    if (hex != NULL) {
+        PyErr_Format(r->error, "%U: chunk %U %s", r->tier, hex, what);
+        Py_DECREF(hex);
+    }
+    return NULL;
+}
+
+/* The slot of ``key`` (-1: not resident; -2 with an error). */
+static Py_ssize_t
+slot_of(Records *r, PyObject *key)
+{
+    int32_t i = find(r->slots, key);
+    if (i <= 0)
+        return i < 0 ? -2 : -1;
+    long long slot = ENTRY(r->slots, i)->value.num;
+    if (slot < 0 || slot >= r->size) {
+        PyErr_Format(PyExc_IndexError, "slot %lld is outside the index's arrays", slot);
+        return -2;
+    }
+    return (Py_ssize_t)slot;
+}
+
+/* The slot of resident ``key``; -1 with the index's error if it is not resident. */
+static Py_ssize_t
+resident_slot(Records *r, PyObject *key)
+{
+    Py_ssize_t slot = slot_of(r, key);
+    if (slot == -1)
+        chunk_error(r, key, "is not resident");
+    return slot < 0 ? -1 : slot;
+}
+
+/* The name of namespace number ``ns`` (borrowed), or NULL with an error. */
+static PyObject *
+name_of(Records *r, uint32_t ns)
+{
+    if (ns >= (size_t)PyList_GET_SIZE(r->names) || PyList_GET_ITEM(r->names, ns) == Py_None) {
+        PyErr_Format(PyExc_IndexError, "namespace number %u is not in use", (unsigned)ns);
+        return NULL;
+    }
+    return PyList_GET_ITEM(r->names, ns);
+}
+
+/* The share the chunk in ``slot`` counts in (borrowed): its other owner, else its namespace. */
+static PyObject *
+owner_of(Records *r, Py_ssize_t slot)
+{
+    if (PyDict_GET_SIZE(r->other_owner)) {
+        PyObject *number = PyLong_FromSsize_t(slot);
+        if (number == NULL)
+            return NULL;
+        PyObject *owner = PyDict_GetItemWithError(r->other_owner, number);
+        Py_DECREF(number);
+        if (owner != NULL && PyObject_IsTrue(owner) == 1)
+            return owner;
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    return name_of(r, U32(r->namespace)[slot]);
+}
+
+/* Count ``n`` fewer chunks of number ``ns``; a number no chunk holds any more is
+ * appended to ``forgotten``, for the index to make free. */
+static int
+release_number(Records *r, uint32_t ns, Py_ssize_t n, PyObject *forgotten)
+{
+    if (n == 0)
+        return 0;
+    if (ns >= (size_t)PyList_GET_SIZE(r->held_by)) {
+        PyErr_Format(PyExc_IndexError, "namespace number %u is not counted", (unsigned)ns);
+        return -1;
+    }
+    Py_ssize_t held = PyLong_AsSsize_t(PyList_GET_ITEM(r->held_by, ns));
+    if (held == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *now = PyLong_FromSsize_t(held - n);
+    if (now == NULL)
+        return -1;
+    PyList_SetItem(r->held_by, ns, now); /* steals ``now`` */
+    if (held - n)
+        return 0;
+    PyObject *number = PyLong_FromUnsignedLong(ns);
+    int rc = number == NULL ? -1 : PyList_Append(forgotten, number);
+    Py_XDECREF(number);
+    return rc;
+}
+
+/* Clear what the index keeps of the chunk in ``slot``, counting its namespace number out
+ * in runs (``*run_ns``, ``*run``: the number and count not yet released). */
+static int
+clear_slot(Records *r, Py_ssize_t slot, uint32_t *run_ns, Py_ssize_t *run, PyObject *forgotten)
+{
+    uint32_t ns = U32(r->namespace)[slot];
+    if (ns != *run_ns) {
+        if (release_number(r, *run_ns, *run, forgotten) < 0)
+            return -1;
+        *run_ns = ns;
+        *run = 0;
+    }
+    (*run)++;
+    U8(r->state)[slot] = 0;
+    U8(r->has_parent)[slot] = 0;
+    U32(r->namespace)[slot] = 0;
+    if (r->hits.obj != NULL)
+        U16(r->hits)[slot] = 0;
+    if (r->lease.obj != NULL)
+        I32(r->lease)[slot] = 0;
+    if (PyDict_GET_SIZE(r->other_owner)) {
+        PyObject *number = PyLong_FromSsize_t(slot);
+        if (number == NULL)
+            return -1;
+        int had = PyDict_Contains(r->other_owner, number);
+        int rc = had <= 0 ? had : PyDict_DelItem(r->other_owner, number);
+        Py_DECREF(number);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* A slot number of ``obj`` inside the arrays, or -1 with an error. */
+static Py_ssize_t
+slot_arg(Records *r, PyObject *obj)
+{
+    Py_ssize_t slot = PyLong_AsSsize_t(obj);
+    if (slot == -1 && PyErr_Occurred())
+        return -1;
+    if (slot < 0 || slot >= r->size) {
+        PyErr_Format(PyExc_IndexError, "slot %zd is outside the index's arrays", slot);
+        return -1;
+    }
+    return slot;
+}
+
+/* free(slots): clear each slot's records; the namespace numbers no chunk holds any more. */
+static PyObject *
+records_free(Records *r, PyObject *slots)
+{
+    PyObject *seq = PySequence_Fast(slots, "free() takes a sequence of slots");
+    if (seq == NULL)
+        return NULL;
+    PyObject *forgotten = PyList_New(0);
+    uint32_t run_ns = 0;
+    Py_ssize_t run = 0;
+    for (Py_ssize_t i = 0; forgotten != NULL && i < PySequence_Fast_GET_SIZE(seq); i++) {
+        Py_ssize_t slot = slot_arg(r, PySequence_Fast_GET_ITEM(seq, i));
+        if (slot < 0 || clear_slot(r, slot, &run_ns, &run, forgotten) < 0)
+            Py_CLEAR(forgotten);
+    }
+    if (forgotten != NULL && release_number(r, run_ns, run, forgotten) < 0)
+        Py_CLEAR(forgotten);
+    Py_DECREF(seq);
+    return forgotten;
+}
+
+/* The record of the chunk in ``slot`` as evicted or copied: a ``victim`` of its key, slot,
+ * ``owner``, namespace and predecessor (a new reference). */
+static PyObject *
+make_victim(Records *r, PyObject *key, Py_ssize_t slot, PyObject *owner)
+{
+    PyObject *namespace = name_of(r, U32(r->namespace)[slot]);
+    if (namespace == NULL)
+        return NULL;
+    PyObject *parent = U8(r->has_parent)[slot]
+                           ? PyBytes_FromStringAndSize((char *)U8(r->parent) + KEY_BYTES * slot, KEY_BYTES)
+                           : Py_NewRef(Py_None);
+    PyObject *number = PyLong_FromSsize_t(slot);
+    PyObject *victim = NULL;
+    if (parent != NULL && number != NULL) {
+        PyObject *args[] = {key, number, owner, namespace, parent};
+        victim = PyObject_Vectorcall(r->victim, args, 5, NULL);
+    }
+    Py_XDECREF(parent);
+    Py_XDECREF(number);
+    return victim;
+}
+
+/* evict(victims): take each key of ``victims`` (owner -> keys, as a partition's
+ * make_room gives them) out of the table and clear its slot; (their records, in order;
+ * their slots; the namespace numbers no chunk holds any more). */
+static PyObject *
+records_evict(Records *r, PyObject *victims)
+{
+    if (!PyDict_Check(victims)) {
+        PyErr_SetString(PyExc_TypeError, "evict() takes a dict of owner -> keys");
+        return NULL;
+    }
+    PyObject *records = PyList_New(0), *slots = PyList_New(0), *forgotten = PyList_New(0), *result = NULL;
+    PyObject *owners = PyDict_Items(victims); /* a copy: making records runs no Python code, but be safe */
+    uint32_t run_ns = 0;
+    Py_ssize_t run = 0;
+    if (records == NULL || slots == NULL || forgotten == NULL || owners == NULL)
+        goto done;
+    for (Py_ssize_t o = 0; o < PyList_GET_SIZE(owners); o++) {
+        PyObject *owner = PyTuple_GET_ITEM(PyList_GET_ITEM(owners, o), 0);
+        PyObject *keys = PySequence_Fast(PyTuple_GET_ITEM(PyList_GET_ITEM(owners, o), 1), "victims are lists of keys");
+        if (keys == NULL)
+            goto done;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(keys); i++) {
+            PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
+            Py_ssize_t slot = resident_slot(r, key);
+            PyObject *victim = slot < 0 ? NULL : make_victim(r, key, slot, owner);
+            PyObject *number = victim == NULL ? NULL : PyLong_FromSsize_t(slot);
+            int rc = number == NULL ? -1 : PyList_Append(records, victim);
+            if (rc == 0)
+                rc = PyList_Append(slots, number);
+            Py_XDECREF(victim);
+            Py_XDECREF(number);
+            if (rc == 0)
+                rc = pop_key(r, key);
+            if (rc == 0)
+                rc = clear_slot(r, slot, &run_ns, &run, forgotten);
+            if (rc < 0) {
+                Py_DECREF(keys);
+                goto done;
+            }
+        }
+        Py_DECREF(keys);
+    }
+    if (release_number(r, run_ns, run, forgotten) == 0)
+        result = PyTuple_Pack(3, records, slots, forgotten);
+done:
+    Py_XDECREF(records);
+    Py_XDECREF(slots);
+    Py_XDECREF(forgotten);
+    Py_XDECREF(owners);
+    return result;
+}
+
+/* occupy(keys, slots, ns, state, parent_of, insert, owner, other): record each of ``keys``
+ * (none resident) in its slot, in ``state``, of namespace number ``ns``, after
+ * ``insert(owner, key, parent)`` told the owner's policy; its predecessor
+ * ``parent_of(key)`` is kept only if resident already (see TierIndex._occupy_many), its
+ * bytes written into the free slot first, so that one of the wrong length changes nothing.
+ * ``other``: the chunks count in ``owner``'s share, not their namespace's. On an error the
+ * keys before the failing one stay recorded. */
+static PyObject *
+records_occupy(Records *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_count("occupy", nargs, 8, 8) < 0)
+        return NULL;
+    PyObject *parent_of = args[4], *insert = args[5], *owner = args[6];
+    unsigned long ns = PyLong_AsUnsignedLong(args[2]);
+    long state = PyLong_AsLong(args[3]);
+    int other = PyObject_IsTrue(args[7]);
+    if ((ns == (unsigned long)-1 || state == -1 || other < 0) && PyErr_Occurred())
+        return NULL;
+    if (ns == 0 || ns >= (size_t)PyList_GET_SIZE(r->names) || state <= 0 || state > 255) {
+        PyErr_SetString(PyExc_ValueError, "occupy() takes a namespace number in use and a state not free");
+        return NULL;
+    }
+    PyObject *keys = PySequence_Fast(args[0], "occupy() takes a sequence of keys");
+    PyObject *slots = keys == NULL ? NULL : PySequence_Fast(args[1], "occupy() takes a sequence of slots");
+    if (slots == NULL || PySequence_Fast_GET_SIZE(keys) != PySequence_Fast_GET_SIZE(slots)) {
+        if (slots != NULL)
+            PyErr_SetString(PyExc_ValueError, "occupy() takes a slot per key");
+        Py_XDECREF(keys);
+        Py_XDECREF(slots);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(keys); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
+        Py_ssize_t slot = slot_arg(r, PySequence_Fast_GET_ITEM(slots, i));
+        if (slot < 0 || check_key(key) < 0)
+            goto done;
+        PyObject *parent = PyObject_CallOneArg(parent_of, key);
+        if (parent == NULL)
+            goto done;
+        if (parent != Py_None) {
+            int32_t at = find(r->slots, parent);
+            if (at < 0) {
+                Py_DECREF(parent);
+                goto done;
+            }
+            if (at == 0)
+                Py_SETREF(parent, Py_NewRef(Py_None));
+        }
+        if (parent != Py_None) {
+            if (PyBytes_GET_SIZE(parent) != KEY_BYTES) {
+                PyErr_Format(PyExc_ValueError, "a predecessor is a key of %d bytes, not %zd", KEY_BYTES,
+                             PyBytes_GET_SIZE(parent));
+                Py_DECREF(parent);
+                goto done;
+            }
+            memcpy(U8(r->parent) + KEY_BYTES * slot, PyBytes_AS_STRING(parent), KEY_BYTES);
+        }
+        PyObject *call[] = {owner, key, parent};
+        PyObject *inserted = PyObject_Vectorcall(insert, call, 3, NULL);
+        int has_parent = parent != Py_None;
+        Py_DECREF(parent);
+        if (inserted == NULL)
+            goto done;
+        Py_DECREF(inserted);
+        PyObject *number = PyLong_FromSsize_t(slot);
+        int rc = number == NULL ? -1 : set_item(r->slots, key, number);
+        if (rc == 0 && other)
+            rc = PyDict_SetItem(r->other_owner, number, owner);
+        Py_XDECREF(number);
+        if (rc < 0)
+            goto done;
+        U8(r->state)[slot] = (unsigned char)state;
+        U32(r->namespace)[slot] = (uint32_t)ns;
+        U8(r->has_parent)[slot] = (unsigned char)has_parent;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(keys);
+    Py_DECREF(slots);
+    return result;
+}
+
+/* mark_ready(keys): each of ``keys`` (PENDING) becomes READY; the namespaces they belong
+ * to, in order. The keys before one not resident or already READY stay READY. */
+static PyObject *
+records_mark_ready(Records *r, PyObject *keys)
+{
+    PyObject *seq = PySequence_Fast(keys, "mark_ready() takes a sequence of keys");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *names = PyList_New(n);
+    for (Py_ssize_t i = 0; names != NULL && i < n; i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        Py_ssize_t slot = resident_slot(r, key);
+        PyObject *name = slot < 0 ? NULL : name_of(r, U32(r->namespace)[slot]);
+        if (name != NULL && U8(r->state)[slot] == r->ready) {
+            chunk_error(r, key, "is already ready");
+            name = NULL;
+        }
+        if (name == NULL) {
+            Py_CLEAR(names);
+            break;
+        }
+        U8(r->state)[slot] = r->ready;
+        PyList_SET_ITEM(names, i, Py_NewRef(name));
+    }
+    Py_DECREF(seq);
+    return names;
+}
+
+/* Take one pin off each of the first ``n`` of ``keys`` (all pinned). */
+static void
+unpin_first(Records *r, PyObject *seq, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t slot = slot_of(r, PySequence_Fast_GET_ITEM(seq, i));
+        if (slot >= 0 && U16(r->pins)[slot] && !--U16(r->pins)[slot])
+            r->pinned--;
+    }
+}
+
+/* pin_ready_run(keys, ns): pin the leading run of ``keys`` READY for namespace number
+ * ``ns``; how many. A pin past the most a slot counts takes the run's pins back off. */
+static PyObject *
+records_pin_ready_run(Records *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_count("pin_ready_run", nargs, 2, 2) < 0)
+        return NULL;
+    long long ns = PyLong_AsLongLong(args[1]);
+    if (ns == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "pin_ready_run() takes a sequence of keys");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = 0;
+    for (; n < PySequence_Fast_GET_SIZE(seq); n++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, n);
+        Py_ssize_t slot = slot_of(r, key);
+        if (slot == -2) {
+            unpin_first(r, seq, n);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (slot < 0 || U8(r->state)[slot] != r->ready || U32(r->namespace)[slot] != ns)
+            break;
+        uint16_t count = U16(r->pins)[slot];
+        if (count >= MAX_COUNT) {
+            unpin_first(r, seq, n);
+            char what[48];
+            snprintf(what, sizeof what, "has %u pins already", (unsigned)count);
+            chunk_error(r, key, what);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (!count)
+            r->pinned++;
+        U16(r->pins)[slot] = count + 1;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(n);
+}
+
+/* unpin_many(keys): one pin off each of ``keys``; the keys before one not pinned stay unpinned. */
+static PyObject *
+records_unpin_many(Records *r, PyObject *keys)
+{
+    PyObject *seq = PySequence_Fast(keys, "unpin_many() takes a sequence of keys");
+    if (seq == NULL)
+        return NULL;
+    PyObject *result = Py_None;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        Py_ssize_t slot = slot_of(r, key);
+        if (slot == -1 || (slot >= 0 && !U16(r->pins)[slot]))
+            chunk_error(r, key, "is not pinned");
+        if (PyErr_Occurred()) {
+            result = NULL;
+            break;
+        }
+        if (!--U16(r->pins)[slot])
+            r->pinned--;
+    }
+    Py_DECREF(seq);
+    return Py_XNewRef(result);
+}
+
+/* slots_of(keys): the slots of resident ``keys``, in order. */
+static PyObject *
+records_slots_of(Records *r, PyObject *keys)
+{
+    PyObject *seq = PySequence_Fast(keys, "slots_of() takes a sequence of keys");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *slots = PyList_New(n);
+    for (Py_ssize_t i = 0; slots != NULL && i < n; i++) {
+        Py_ssize_t slot = resident_slot(r, PySequence_Fast_GET_ITEM(seq, i));
+        PyObject *number = slot < 0 ? NULL : PyLong_FromSsize_t(slot);
+        if (number == NULL)
+            Py_CLEAR(slots);
+        else
+            PyList_SET_ITEM(slots, i, number);
+    }
+    Py_DECREF(seq);
+    return slots;
+}
+
+/* hit_many(keys, policy_of): a hit on each of ``keys`` (resident): ``touch(key)`` of the
+ * policy ``policy_of(owner)`` of its owner, then one more on its hit count (up to the
+ * most a slot counts); the new counts, in order (none if the index counts no hits). A
+ * key not resident raises KeyError(key); the keys before it are counted. */
+static PyObject *
+records_hit_many(Records *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_count("hit_many", nargs, 2, 2) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "hit_many() takes a sequence of keys");
+    if (seq == NULL)
+        return NULL;
+    PyObject *counts = PyList_New(0), *touched_by = NULL, *touch = NULL;
+    for (Py_ssize_t i = 0; counts != NULL && i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        Py_ssize_t slot = slot_of(r, key);
+        if (slot == -1)
+            PyErr_SetObject(PyExc_KeyError, key);
+        PyObject *owner = slot < 0 ? NULL : owner_of(r, slot);
+        int same = owner == NULL ? -1 : touched_by == NULL ? 0 : PyObject_RichCompareBool(owner, touched_by, Py_EQ);
+        if (same == 0) {
+            /* the owner whose policy ``touch`` is (they are usually all one) */
+            Py_XSETREF(touched_by, Py_NewRef(owner));
+            PyObject *policy = PyObject_CallOneArg(args[1], owner);
+            Py_XSETREF(touch, policy == NULL ? NULL : PyObject_GetAttrString(policy, "touch"));
+            Py_XDECREF(policy);
+            same = touch == NULL ? -1 : 1;
+        }
+        PyObject *touched = same < 0 ? NULL : PyObject_CallOneArg(touch, key);
+        if (touched == NULL) {
+            Py_CLEAR(counts);
+            break;
+        }
+        Py_DECREF(touched);
+        if (r->hits.obj == NULL)
+            continue;
+        uint16_t *hits = &U16(r->hits)[slot];
+        if (*hits < MAX_COUNT)
+            (*hits)++;
+        PyObject *count = PyLong_FromLong(*hits);
+        if (count == NULL || PyList_Append(counts, count) < 0)
+            Py_CLEAR(counts);
+        Py_XDECREF(count);
+    }
+    Py_XDECREF(touched_by);
+    Py_XDECREF(touch);
+    Py_DECREF(seq);
+    return counts;
+}
+
+/* A buffer of ``obj`` with ``per_slot`` items of ``format`` for each of ``size`` slots. */
+static int
+slot_buffer(PyObject *obj, const char *format, Py_ssize_t itemsize, Py_ssize_t per_slot, Py_ssize_t size,
+            Py_buffer *view)
+{
+    if (typed_buffer(obj, format, itemsize, view) < 0)
+        return -1;
+    if (view->readonly || view->len != size * per_slot * itemsize) {
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        PyErr_Format(PyExc_ValueError, "expected a writable array of %zd '%s' items", size * per_slot, format);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+records_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"slots", "state", "pins", "hits", "lease", "namespace", "parent", "has_parent",
+                            "names", "held_by", "other_owner", "victim", "tier", "error", "ready", NULL};
+    PyObject *slots, *state, *pins, *hits, *lease, *namespace, *parent, *has_parent, *names_list, *held_by,
+        *other_owner, *victim, *tier, *error;
+    unsigned char ready;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOOOOO!O!O!OUOb:SlotRecords", names, &KeyIntsType, &slots,
+                                     &state, &pins, &hits, &lease, &namespace, &parent, &has_parent, &PyList_Type,
+                                     &names_list, &PyList_Type, &held_by, &PyDict_Type, &other_owner, &victim, &tier,
+                                     &error, &ready))
+        return NULL;
+    if (!PyCallable_Check(victim) || !PyExceptionClass_Check(error)) {
+        PyErr_SetString(PyExc_TypeError, "victim must be callable and error an exception type");
+        return NULL;
+    }
+    Records *r = (Records *)type->tp_alloc(type, 0);
+    if (r == NULL)
+        return NULL;
+    /* The state's length is the arrays' size: found, then checked like the others'. */
+    if (typed_buffer(state, "B", 1, &r->state) < 0) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    r->size = r->state.len;
+    PyBuffer_Release(&r->state);
+    r->state.obj = NULL;
+    if (slot_buffer(state, "B", 1, 1, r->size, &r->state) < 0 || slot_buffer(pins, "H", 2, 1, r->size, &r->pins) < 0
+        || (hits != Py_None && slot_buffer(hits, "H", 2, 1, r->size, &r->hits) < 0)
+        || (lease != Py_None && slot_buffer(lease, "i", 4, 1, r->size, &r->lease) < 0)
+        || slot_buffer(namespace, "I", 4, 1, r->size, &r->namespace) < 0
+        || slot_buffer(parent, "B", 1, KEY_BYTES, r->size, &r->parent) < 0
+        || slot_buffer(has_parent, "B", 1, 1, r->size, &r->has_parent) < 0) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    r->slots = (Table *)Py_NewRef(slots);
+    r->names = Py_NewRef(names_list);
+    r->held_by = Py_NewRef(held_by);
+    r->other_owner = Py_NewRef(other_owner);
+    r->victim = Py_NewRef(victim);
+    r->tier = Py_NewRef(tier);
+    r->error = Py_NewRef(error);
+    r->ready = ready;
+    return (PyObject *)r;
+}
+
+static void
+records_dealloc(Records *r)
+{
+    Py_buffer *views[] = {&r->state, &r->pins, &r->hits, &r->lease, &r->namespace, &r->parent, &r->has_parent};
+    for (size_t i = 0; i < sizeof views / sizeof views[0]; i++) {
+        if (views[i]->obj != NULL)
+            PyBuffer_Release(views[i]);
+    }
+    Py_XDECREF(r->slots);
+    Py_XDECREF(r->names);
+    Py_XDECREF(r->held_by);
+    Py_XDECREF(r->other_owner);
+    Py_XDECREF(r->victim);
+    Py_XDECREF(r->tier);
+    Py_XDECREF(r->error);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyMethodDef records_methods[] = {
+    {"evict", (PyCFunction)records_evict, METH_O,
+     "evict(victims): owner -> keys out of the table, slots cleared; (records, slots, numbers forgotten)"},
+    {"free", (PyCFunction)records_free, METH_O, "free(slots): clear the slots; the namespace numbers forgotten"},
+    {"occupy", (PyCFunction)(void (*)(void))records_occupy, METH_FASTCALL,
+     "occupy(keys, slots, ns, state, parent_of, insert, owner, other): record new keys, each after insert()"},
+    {"mark_ready", (PyCFunction)records_mark_ready, METH_O, "mark_ready(keys): PENDING -> READY; their namespaces"},
+    {"pin_ready_run", (PyCFunction)(void (*)(void))records_pin_ready_run, METH_FASTCALL,
+     "pin_ready_run(keys, ns): pin the leading run READY for number ns; how many"},
+    {"unpin_many", (PyCFunction)records_unpin_many, METH_O, "unpin_many(keys): one pin off each"},
+    {"slots_of", (PyCFunction)records_slots_of, METH_O, "slots_of(keys): the slots of resident keys"},
+    {"hit_many", (PyCFunction)(void (*)(void))records_hit_many, METH_FASTCALL,
+     "hit_many(keys, policy_of): touch each in its owner's policy, count its hit; the counts"},
+    {NULL, NULL},
+};
+
+static PyMemberDef records_members[] = {
+    {"pinned", T_PYSSIZET, offsetof(Records, pinned), 0, "chunks with at least one pin"},
+    {NULL},
+};
+
+static PyTypeObject RecordsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tiered_kv._keytable.SlotRecords",
+    .tp_basicsize = sizeof(Records),
+    .tp_dealloc = (destructor)records_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "SlotRecords(slots, state, pins, hits, lease, namespace, parent, has_parent, names, held_by, "
+              "other_owner, victim, tier, error, ready): a residency index's per-chunk steps over its arrays.",
+    .tp_methods = records_methods,
+    .tp_members = records_members,
+    .tp_new = records_new,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "tiered_kv._keytable",
@@ -1823,7 +2482,7 @@ PyMODINIT_FUNC
 PyInit__keytable(void)
 {
     if (PyType_Ready(&IterType) < 0 || PyType_Ready(&KeyOrderType) < 0 || PyType_Ready(&KeyIntsType) < 0
-        || PyType_Ready(&ListsType) < 0 || PyType_Ready(&ProtectionType) < 0)
+        || PyType_Ready(&ListsType) < 0 || PyType_Ready(&ProtectionType) < 0 || PyType_Ready(&RecordsType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -1831,7 +2490,8 @@ PyInit__keytable(void)
     if (PyModule_AddObjectRef(m, "KeyOrder", (PyObject *)&KeyOrderType) < 0
         || PyModule_AddObjectRef(m, "KeyInts", (PyObject *)&KeyIntsType) < 0
         || PyModule_AddObjectRef(m, "PrefixLists", (PyObject *)&ListsType) < 0
-        || PyModule_AddObjectRef(m, "Protection", (PyObject *)&ProtectionType) < 0) {
+        || PyModule_AddObjectRef(m, "Protection", (PyObject *)&ProtectionType) < 0
+        || PyModule_AddObjectRef(m, "SlotRecords", (PyObject *)&RecordsType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

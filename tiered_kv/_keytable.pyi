@@ -3,10 +3,11 @@ in O(1) steps (no full rehash), outside the cyclic garbage collector."""
 
 from array import array
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
-from typing import Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, overload
 
 _D = TypeVar("_D")
 V = TypeVar("V")
+_V = TypeVar("_V")
 
 class _Table(Generic[V]):
     def __len__(self) -> int: ...
@@ -97,3 +98,58 @@ class Protection:
         ready: int,
     ) -> None: ...
     def __call__(self, key: bytes, /) -> bool: ...
+
+class SlotRecords(Generic[_V]):
+    """The per-chunk steps of a batch of a residency index (tiered_kv/directory.py) over its
+    own objects: its key -> ``slots`` table, each slot's ``state``, ``pins``, ``hits`` and
+    ``lease`` (``None``: not kept), ``namespace`` number and predecessor (``parent``, 16
+    bytes a slot, where ``has_parent``), each number's ``names`` and the chunks it is
+    ``held_by``, and ``other_owner`` (slot -> the share a chunk counts in, where it is not
+    its namespace). Misuse raises ``error`` naming ``tier``, as the index's own steps do;
+    ``ready`` is the index's READY state and ``victim`` the type of an evicted chunk's record,
+    built as ``victim(key, slot, owner, namespace, parent)``."""
+
+    #: Chunks with at least one pin.
+    pinned: int
+    def __init__(
+        self,
+        slots: KeyInts,
+        state: memoryview,
+        pins: memoryview,
+        hits: memoryview | None,
+        lease: memoryview | None,
+        namespace: memoryview,
+        parent: memoryview,
+        has_parent: memoryview,
+        names: list[str | None],
+        held_by: list[int],
+        other_owner: dict[int, str],
+        victim: Callable[[bytes, int, str, str, bytes | None], _V],
+        tier: str,
+        error: type[Exception],
+        ready: int,
+    ) -> None: ...
+    def evict(self, victims: dict[str, list[bytes]], /) -> tuple[list[_V], list[int], list[int]]:
+        """Take each key of ``victims`` (owner -> keys) out of the table and clear its slot:
+        their records, their slots, and the namespace numbers no chunk holds any more."""
+    def free(self, slots: Sequence[int], /) -> list[int]:
+        """Clear each of ``slots``; the namespace numbers no chunk holds any more."""
+    def occupy(
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        ns: int,
+        state: int,
+        parent_of: Callable[[bytes], bytes | None],
+        insert: Callable[[str, bytes, bytes | None], object],
+        owner: str,
+        other: bool,
+        /,
+    ) -> None:
+        """Record each of ``keys`` in its slot after ``insert(owner, key, parent)``; the
+        keys before one that fails stay recorded."""
+    def mark_ready(self, keys: Iterable[bytes], /) -> list[str]: ...
+    def pin_ready_run(self, keys: Iterable[bytes], ns: int, /) -> int: ...
+    def unpin_many(self, keys: Iterable[bytes], /) -> None: ...
+    def slots_of(self, keys: Iterable[bytes], /) -> list[int]: ...
+    def hit_many(self, keys: Iterable[bytes], policy_of: Callable[[str], Any], /) -> list[int]: ...

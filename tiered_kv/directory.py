@@ -17,7 +17,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 import msgspec
 import numpy as np
 
-from tiered_kv._keytable import KeyInts, Protection
+from tiered_kv._keytable import KeyInts, Protection, SlotRecords
 from tiered_kv.errors import TieredKVError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.partition import TierPartition
@@ -36,6 +36,13 @@ def _zeros(n: int, dtype: type[np.generic]) -> memoryview:
     zeroed by the C library, so that the pages of an index of a million slots are touched
     as chunks arrive, not all while the loop waits for the tier to be registered."""
     return np.zeros(n, dtype).data
+
+
+def _as_key_ints(chunks: Mapping[ChunkKey, int]) -> KeyInts:
+    """``chunks`` as the index's table (a warm restart handed a plain mapping)."""
+    table = KeyInts()
+    table.update(chunks.items())
+    return table
 
 
 class LeaseEpoch:
@@ -169,11 +176,32 @@ class TierIndex:
         self._parent = _zeros(_KEY_BYTES * n, np.uint8)
         self._has_parent = _zeros(n, np.uint8)
         self._partition = partition
-        self._pinned = 0
+        self._records = self._records_of(self._slots)
         #: Chunks recorded so far by a warm restart in progress (``None``: none is), and
         #: whether it took its map from the caller.
         self._restoring: int | None = None
         self._took_map = False
+
+    def _records_of(self, slots: KeyInts) -> SlotRecords[Victim]:
+        """The per-chunk steps of a batch over ``slots`` and this index's arrays, in C: a
+        Python step per chunk of a store or a load cost more than all the rest of it."""
+        return SlotRecords(
+            slots,
+            self._state,
+            self._pins,
+            self._hits,
+            self._lease,
+            self._namespace,
+            self._parent,
+            self._has_parent,
+            self._namespaces.names,
+            self._namespaces.held_by,
+            self._other_owner,
+            Victim,
+            self.tier,
+            TieredKVError,
+            READY,
+        )
 
     # -- reading -----------------------------------------------------------------------
     @property
@@ -191,7 +219,7 @@ class TierIndex:
     @property
     def pinned(self) -> int:
         """Chunks with at least one pin."""
-        return self._pinned
+        return self._records.pinned
 
     def slot(self, key: ChunkKey) -> int:
         """The slot of resident ``key``."""
@@ -292,11 +320,11 @@ class TierIndex:
         namespace = owner if namespace is None else namespace
         wanted = list(dict.fromkeys(keys))
         parent_of = (parents or {}).get
-        for key in wanted:
-            if key in self._slots:
-                raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
+        resident = self._slots.__contains__
+        for key in filter(resident, wanted):
+            raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         # The new chunks' resident predecessors stay, and with them every chunk before them.
-        kept = {parent for parent in map(parent_of, wanted) if parent is not None and parent in self._slots}
+        kept = set(filter(resident, filter(None, map(parent_of, wanted))))
         leases, epoch = self._lease, self._epoch
         # Those, and every chunk not READY, pinned or leased in this epoch: the eviction
         # walk reads the index's arrays in C (a Python call per key passed it, before).
@@ -313,23 +341,18 @@ class TierIndex:
         victims = self._partition.make_room(owner, len(wanted), protected, self._parent_of)
         if victims is None:
             return None
-        evicted = []
-        pop, ids, names = self._slots.pop, self._namespace, self._namespaces.names
-        parent_keys, has_parent = self._parent, self._has_parent
-        for victim_owner, victim_keys in victims.items():
-            for victim in victim_keys:
-                slot = pop(victim)
-                victim_namespace = names[ids[slot]]
-                assert victim_namespace is not None
-                at = _KEY_BYTES * slot  # _parent_at, without a call per victim
-                parent = parent_keys[at : at + _KEY_BYTES].tobytes() if has_parent[slot] else None
-                evicted.append(Victim(victim, slot, victim_owner, victim_namespace, parent))
-        self._free_many([victim.slot for victim in evicted])
+        evicted, freed, forgotten = self._records.evict(victims)
+        self._release(freed, forgotten)
         slots = self._allocator.allocate(len(wanted))
         if slots is None:  # pragma: no cover - make_room made exactly enough room
             raise TieredKVError(f"{self.tier}: allocator lost track of free slots")
         reserved = dict(zip(wanted, slots, strict=True))
-        self._occupy_many(reserved, owner, namespace, PENDING, parent_of)
+        try:
+            self._occupy_many(wanted, slots, owner, namespace, PENDING, parent_of)
+        except BaseException:
+            # Nothing is reserved after all: the keys recorded go, the victims come back.
+            self.unreserve(Reservation({key: reserved[key] for key in filter(resident, wanted)}, evicted))
+            raise
         return Reservation(reserved, evicted)
 
     def unreserve(self, reservation: Reservation) -> None:
@@ -348,26 +371,11 @@ class TierIndex:
 
     # -- applying ----------------------------------------------------------------------
     def mark_ready(self, key: ChunkKey) -> None:
-        slot = self._require(key)
-        if self._state[slot] == READY:
-            raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already ready")
-        self._state[slot] = READY
+        self._records.mark_ready((key,))
 
     def mark_ready_many(self, keys: Iterable[ChunkKey]) -> list[str]:
         """:meth:`mark_ready` on each of ``keys``; the namespaces they belong to, in order."""
-        state, ids, names, resident = self._state, self._namespace, self._namespaces.names, self._slots
-        namespaces = []
-        for key in keys:
-            slot = resident.get(key)
-            if slot is None:
-                slot = self._require(key)  # raises: not resident
-            if state[slot] == READY:
-                raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already ready")
-            state[slot] = READY
-            namespace = names[ids[slot]]
-            assert namespace is not None
-            namespaces.append(namespace)
-        return namespaces
+        return self._records.mark_ready(keys)
 
     def drop(self, key: ChunkKey) -> int:
         """Forget an unpinned chunk (a failed write, or an explicit removal); its slot."""
@@ -388,7 +396,7 @@ class TierIndex:
         if key in self._slots:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is already resident")
         self._allocator.claim(slot)
-        self._occupy_many({key: slot}, owner, owner if namespace is None else namespace, READY, {key: parent}.get)
+        self._occupy_many([key], [slot], owner, owner if namespace is None else namespace, READY, {key: parent}.get)
 
     def begin_restore(self, chunks: KeyInts | None = None) -> None:
         """Start a warm restart into this index, which must hold nothing yet; then
@@ -396,12 +404,14 @@ class TierIndex:
 
         ``chunks``, key → slot of every chunk the store holds, becomes the index's map
         as it is, not copied (the caller gives it up), so that a million chunks cost the
-        loop no table building; the batches are then its items. Without it, each batch
-        adds its own chunks to the map."""
+        loop no table building (a plain mapping is copied into one: the index's C steps
+        read a KeyInts); the batches are then its items. Without it, each batch adds its
+        own chunks to the map."""
         if self._slots or self._partition.used or self._restoring is not None:
             raise TieredKVError(f"{self.tier}: a warm restart starts from an empty index")
         if chunks is not None:
-            self._slots = chunks
+            self._slots = chunks if isinstance(chunks, KeyInts) else _as_key_ints(chunks)
+            self._records = self._records_of(self._slots)
         self._restoring = 0
         self._took_map = chunks is not None
 
@@ -458,7 +468,7 @@ class TierIndex:
         if pins >= _MAX_COUNT:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} has {pins} pins already")
         if not pins:
-            self._pinned += 1
+            self._records.pinned += 1
         self._pins[slot] = pins + 1
         return slot
 
@@ -478,62 +488,19 @@ class TierIndex:
     def pin_ready_run(self, keys: Sequence[ChunkKey], namespace: str) -> int:
         """Pin the leading run of ``keys`` READY for ``namespace``; how many (a load's
         chunks already in cpu, in one call and one pass)."""
-        slot_of, state, names, pins = self._slots.get, self._state, self._namespace, self._pins
-        ns = self._namespaces.id_of(namespace)
-        n = 0
-        for key in keys:
-            slot = slot_of(key)
-            if slot is None or state[slot] != READY or names[slot] != ns:  # ready_for
-                break
-            count = pins[slot]
-            if count >= _MAX_COUNT:
-                for undo in range(n):
-                    self.unpin(keys[undo])
-                raise TieredKVError(f"{self.tier}: chunk {key.hex()} has {count} pins already")
-            if not count:
-                self._pinned += 1
-            pins[slot] = count + 1
-            n += 1
-        return n
+        # A namespace holding nothing here has number 0, which no resident slot has.
+        return self._records.pin_ready_run(keys, self._namespaces.id_of(namespace))
 
     def slots_of(self, keys: Sequence[ChunkKey]) -> list[int]:
         """The slots of resident ``keys``, in order."""
-        slots = self._slots
-        try:
-            return [slots[key] for key in keys]
-        except KeyError as exc:
-            raise TieredKVError(f"{self.tier}: chunk {exc.args[0].hex()} is not resident") from None
+        return self._records.slots_of(keys)
 
     def unpin_many(self, keys: Iterable[ChunkKey]) -> None:
-        slots, pins = self._slots, self._pins
-        for key in keys:
-            slot = slots.get(key)
-            if slot is None or pins[slot] <= 0:
-                raise TieredKVError(f"{self.tier}: chunk {key.hex()} is not pinned")
-            pins[slot] -= 1
-            if not pins[slot]:
-                self._pinned -= 1
+        self._records.unpin_many(keys)
 
     def hit_many(self, keys: Sequence[ChunkKey]) -> list[int]:
         """:meth:`hit` on each of ``keys`` (READY, in order); their new hit counts."""
-        slots, hits, other = self._slots, self._hits, self._other_owner
-        ids, names, policy_of = self._namespace, self._namespaces.names, self._partition.policy
-        touched_by: str | None = None  # the owner whose policy ``touch`` is (they are usually all one)
-        counts = []
-        for key in keys:
-            slot = slots[key]
-            owner = (other.get(slot) or names[ids[slot]]) if other else names[ids[slot]]
-            assert owner is not None
-            if owner != touched_by:
-                touch, touched_by = policy_of(owner).touch, owner
-            touch(key)
-            if hits is not None:
-                count = hits[slot] + 1
-                if count > _MAX_COUNT:
-                    count = _MAX_COUNT
-                hits[slot] = count
-                counts.append(count)
-        return counts
+        return self._records.hit_many(keys, self._partition.policy)
 
     def unpin(self, key: ChunkKey) -> None:
         slot = self._require(key)
@@ -542,72 +509,46 @@ class TierIndex:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is not pinned")
         self._pins[slot] = pins - 1
         if pins == 1:
-            self._pinned -= 1
+            self._records.pinned -= 1
 
     def _occupy_many(
         self,
-        reserved: dict[ChunkKey, int],
+        keys: list[ChunkKey],
+        slots: list[int],
         owner: str,
         namespace: str,
         state_of_all: int,
         parent_of: Callable[[ChunkKey], ChunkKey | None],
     ) -> None:
-        """Record each key of ``reserved`` in its slot, in ``state_of_all``, counted in
+        """Record each of ``keys`` in its slot of ``slots``, in ``state_of_all``, counted in
         ``owner``'s share, continuing the predecessor ``parent_of`` names if that was
         resident before it (a link to a chunk that was not could later close a cycle,
-        and a cycle is never evictable)."""
-        resident, state, names, parents, has_parent = (
-            self._slots,
-            self._state,
-            self._namespace,
-            self._parent,
-            self._has_parent,
-        )
-        if not reserved:  # no number for a namespace with no chunk: none would free it
+        and a cycle is never evictable). The policy is told of each key first, so a bad
+        predecessor changes nothing; if it raises, the keys before stay recorded and the
+        slots of the others are free again."""
+        if not keys:  # no number for a namespace with no chunk: none would free it
             return
-        insert, other_owner, other = self._partition.insert, self._other_owner, owner != namespace
-        ns = self._namespaces.hold(namespace, len(reserved))
+        ns = self._namespaces.hold(namespace, len(keys))
         try:
-            for key, slot in reserved.items():
-                parent = parent_of(key)
-                if parent is not None and parent not in resident:
-                    parent = None
-                if parent is not None:  # into a free slot: a key not of _KEY_BYTES changes nothing
-                    at = _KEY_BYTES * slot
-                    parents[at : at + _KEY_BYTES] = parent
-                insert(owner, key, parent)  # first: a bad parent changes nothing
-                resident[key] = slot
-                state[slot] = state_of_all
-                names[slot] = ns
-                has_parent[slot] = parent is not None
-                if other:
-                    other_owner[slot] = owner
+            self._records.occupy(
+                keys, slots, ns, state_of_all, parent_of, self._partition.insert, owner, owner != namespace
+            )
         except BaseException:
             # The keys recorded are the ones now resident (none was before).
-            self._namespaces.release(ns, sum(1 for key in reserved if key not in resident))
+            unrecorded = [slot for key, slot in zip(keys, slots, strict=True) if key not in self._slots]
+            self._namespaces.release(ns, len(unrecorded))
+            self._allocator.release_many(unrecorded)
             raise
 
     def _free_many(self, slots: list[int]) -> None:
         """Clear what the index keeps of each of ``slots`` and give them back to the allocator."""
-        if not slots:
-            return
-        state, names, has_parent = self._state, self._namespace, self._has_parent
-        held, forget = self._namespaces.held_by, self._namespaces.forget
-        hits, lease, other_owner = self._hits, self._lease, self._other_owner
-        for slot in slots:
-            state[slot] = FREE
-            has_parent[slot] = 0
-            if hits is not None:
-                hits[slot] = 0
-            if lease is not None:
-                lease[slot] = 0
-            ns = names[slot]
-            names[slot] = 0
-            held[ns] -= 1
-            if not held[ns]:
-                forget(ns)
-            if other_owner:
-                other_owner.pop(slot, None)
+        self._release(slots, self._records.free(slots))
+
+    def _release(self, slots: list[int], forgotten: list[int]) -> None:
+        """Give ``slots``, their records cleared, back to the allocator, and make the
+        namespace numbers ``forgotten`` (no chunk holds them any more) free."""
+        for ns in forgotten:
+            self._namespaces.forget(ns)
         self._allocator.release_many(slots)
 
     def _require(self, key: ChunkKey) -> int:
@@ -644,5 +585,5 @@ class TierIndex:
             if slot not in in_use
         ):
             raise TieredKVError(f"{self.tier}: a free slot holds state, pins, a namespace or a predecessor")
-        if self._pinned != sum(1 for slot in slots if self._pins[slot]):
+        if self._records.pinned != sum(1 for slot in slots if self._pins[slot]):
             raise TieredKVError(f"{self.tier}: pinned-chunk count is off")
