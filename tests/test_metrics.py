@@ -137,14 +137,25 @@ async def test_scrapes_from_another_thread_during_a_workload_match_statistics(se
     scrapes: list[Samples] = []
     stop = threading.Event()
 
+    loop, scraped = asyncio.get_running_loop(), asyncio.Event()
+
     def scraper() -> None:  # as prometheus-client's HTTP server thread does
         while not stop.is_set():
             scrapes.append(scrape(registry))
+            loop.call_soon_threadsafe(scraped.set)
+
+    async def next_scrape() -> None:  # the scraper's thread gets its turn, however fast the loop is
+        scraped.clear()
+        async with asyncio.timeout(60):  # a scraper that died fails the test, not hangs it
+            await scraped.wait()
 
     thread = threading.Thread(target=scraper)
     thread.start()
     try:
-        await workload(kv, tenants, random.Random(seed), 300)
+        rng = random.Random(seed)
+        for _ in range(10):  # scrapes between parts of the workload, and during them
+            await next_scrape()
+            await workload(kv, tenants, rng, 30)
         await kv.drain()
     finally:
         stop.set()
