@@ -35,6 +35,8 @@ class PythonStepsIndex(TierIndex):
                 namespace = self._namespaces.names[self._namespace[slot]]
                 assert namespace is not None
                 evicted.append(Victim(victim, slot, victim_owner, namespace, self._parent_at(slot)))
+                if self._children[slot]:  # resident chunks still continue it
+                    self._orphans[victim] = self._children[slot]
         return evicted
 
     def mark_ready_many(self, keys: Iterable[ChunkKey]) -> list[str]:
@@ -94,7 +96,8 @@ class PythonStepsIndex(TierIndex):
         ns = self._namespaces.hold(namespace, len(keys))
         try:
             for key, slot in zip(keys, slots, strict=True):
-                parent = parent_of(key)
+                continued = self._orphans.get(key, 0)  # resident chunks continue an earlier copy of it
+                parent = None if continued else parent_of(key)
                 if parent is not None and parent not in self._slots:
                     parent = None
                 if parent is not None:
@@ -104,6 +107,11 @@ class PythonStepsIndex(TierIndex):
                 self._state[slot] = state_of_all
                 self._namespace[slot] = ns
                 self._has_parent[slot] = parent is not None
+                if parent is not None:
+                    self._children[self._slots[parent]] += 1
+                if continued:
+                    self._children[slot] = continued
+                    del self._orphans[key]
                 if owner != namespace:
                     self._other_owner[slot] = owner
         except BaseException:
@@ -114,6 +122,16 @@ class PythonStepsIndex(TierIndex):
 
     def _free_many(self, slots: list[int]) -> None:
         for slot in slots:
+            parent = self._parent_at(slot)
+            if parent is not None:  # its predecessor counts a resident successor less
+                at = self._slots.get(parent)
+                if at is not None:
+                    self._children[at] -= 1
+                elif self._orphans[parent] > 1:
+                    self._orphans[parent] -= 1
+                else:
+                    del self._orphans[parent]
+            self._children[slot] = 0
             self._state[slot] = FREE
             self._has_parent[slot] = 0
             if self._hits is not None:
@@ -175,7 +193,7 @@ def same_records(c_index: TierIndex, py_index: TierIndex) -> None:
     for index in (c_index, py_index):
         index.check()
     assert dict(c_index._slots.items()) == dict(py_index._slots.items())
-    for name in ("_state", "_pins", "_hits", "_lease", "_namespace", "_has_parent"):
+    for name in ("_state", "_pins", "_hits", "_lease", "_namespace", "_has_parent", "_children"):
         mine, theirs = getattr(c_index, name), getattr(py_index, name)
         assert (mine is None and theirs is None) or bytes(mine) == bytes(theirs), name
     for key in c_index._slots:  # a free slot's predecessor bytes are never read
@@ -183,6 +201,7 @@ def same_records(c_index: TierIndex, py_index: TierIndex) -> None:
     assert c_index._namespaces.names == py_index._namespaces.names
     assert c_index._namespaces.held_by == py_index._namespaces.held_by
     assert c_index._other_owner == py_index._other_owner
+    assert c_index._orphans == py_index._orphans
     assert c_index.pinned == py_index.pinned
     assert c_index.used == py_index.used and repr(c_index.partition) == repr(py_index.partition)
 
@@ -329,13 +348,23 @@ def test_a_policy_that_raises_mid_batch_reserves_nothing_and_puts_the_victims_ba
 
 def test_the_records_refuse_arrays_of_the_wrong_type_or_size() -> None:
     index, _ = resident_index()
-    arrays = [index._state, index._pins, index._hits, index._lease, index._namespace, index._parent, index._has_parent]
-    rest = (index._namespaces.names, index._namespaces.held_by, {}, Victim, "cpu", TieredKVError, READY)
+    arrays = [
+        index._state,
+        index._pins,
+        index._hits,
+        index._lease,
+        index._namespace,
+        index._parent,
+        index._has_parent,
+        index._children,
+    ]
+    rest = (index._namespaces.names, index._namespaces.held_by, {}, {}, Victim, "cpu", TieredKVError, READY)
     SlotRecords(index._slots, *arrays, *rest)
     for at, wrong, error in [
         (1, index._state, TypeError),  # u8 pins
         (4, index._pins, TypeError),  # u16 namespaces
         (5, index._has_parent, ValueError),  # a byte of predecessor per slot
+        (7, index._pins, TypeError),  # u16 successor counts
         (2, memoryview(bytes(2 * len(index._state))).cast("H"), ValueError),  # read-only hits
     ]:
         with pytest.raises(error):

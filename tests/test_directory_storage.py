@@ -21,6 +21,15 @@ class Chunk:
         self.state, self.pins = PENDING, 0
 
 
+def recorded_parent(model: dict[bytes, Chunk], key: bytes, parent: bytes | None) -> bytes | None:
+    """The predecessor the index records for ``key`` stored continuing ``parent``: one
+    resident already, unless resident chunks continue an earlier copy of ``key`` (a link
+    from it could close a cycle)."""
+    if parent not in model or any(chunk.parent == key for chunk in model.values()):
+        return None
+    return parent
+
+
 def check_against(index: TierIndex, model: dict[bytes, Chunk], universe: list[bytes], namespaces: set[str]) -> None:
     index.check()
     assert len(index) == len(model)
@@ -72,14 +81,13 @@ def test_namespaces_and_predecessors_agree_with_a_model_while_tenants_come_and_g
                 assert (victim.namespace, victim.owner, victim.parent) == (chunk.namespace, chunk.owner, chunk.parent)
             before = dict(model)
             for key in wanted:  # a predecessor is recorded only if it was resident first
-                parent = parents.get(key)
-                model[key] = Chunk(namespace, owner, parent if parent in model else None)
+                model[key] = Chunk(namespace, owner, recorded_parent(model, key, parents.get(key)))
             most_held = max(most_held, len({c.namespace for c in model.values()}))
             if rng.random() < 0.3:  # the copy failed before it began: all as it was
                 index.unreserve(reservation)
                 model = before
                 for victim in reversed(reservation.evicted):
-                    parent = victim.parent if victim.parent in model else None
+                    parent = recorded_parent(model, victim.key, victim.parent)
                     model[victim.key] = Chunk(victim.namespace, victim.owner, parent)
                     model[victim.key].state = READY
         elif action == 2:

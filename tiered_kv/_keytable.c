@@ -1828,10 +1828,12 @@ typedef struct {
     PyObject_HEAD
     Table *slots;
     Py_buffer state, pins, hits, lease, namespace, parent, has_parent; /* hits, lease: obj NULL if not kept */
+    Py_buffer children; /* each slot's chunk's resident successors: the chunks naming it as predecessor */
     Py_ssize_t size; /* slots in each array */
     PyObject *names; /* list: each namespace number's name (None: unused) */
     PyObject *held_by; /* list: the chunks holding each number */
     PyObject *other_owner; /* dict: slot -> the share a chunk counts in, where not its namespace */
+    PyObject *orphans; /* dict: a key not resident -> the resident chunks still naming it as predecessor */
     PyObject *victim; /* the type of an evicted chunk's record */
     PyObject *tier; /* str: the tier, in messages */
     PyObject *error; /* the exception type of a misuse */
@@ -1954,11 +1956,61 @@ release_number(Records *r, uint32_t ns, Py_ssize_t n, PyObject *forgotten)
     return rc;
 }
 
-/* Clear what the index keeps of the chunk in ``slot``, counting its namespace number out
- * in runs (``*run_ns``, ``*run``: the number and count not yet released). */
+/* Count ``key`` (not resident) as named by one resident successor less. */
 static int
-clear_slot(Records *r, Py_ssize_t slot, uint32_t *run_ns, Py_ssize_t *run, PyObject *forgotten)
+orphan_leaves(Records *r, PyObject *key)
 {
+    PyObject *count = PyDict_GetItemWithError(r->orphans, key);
+    if (count == NULL)
+        return PyErr_Occurred() ? -1 : 0; /* not counted: check() reports it */
+    Py_ssize_t left = PyLong_AsSsize_t(count) - 1;
+    if (left == -2 && PyErr_Occurred())
+        return -1;
+    if (left <= 0)
+        return PyDict_DelItem(r->orphans, key);
+    PyObject *now = PyLong_FromSsize_t(left);
+    int rc = now == NULL ? -1 : PyDict_SetItem(r->orphans, key, now);
+    Py_XDECREF(now);
+    return rc;
+}
+
+/* The chunk in ``slot`` leaves: its predecessor counts a resident successor less (in
+ * ``children`` if resident, else in the orphans), and if resident chunks still continue
+ * it, ``key`` (NULL: the caller has counted them) goes into the orphans with their
+ * number, so that a later copy of the key is not made to continue one of them. */
+static int
+unlink_slot(Records *r, Py_ssize_t slot, PyObject *key)
+{
+    if (U8(r->has_parent)[slot]) {
+        PyObject *parent = PyBytes_FromStringAndSize((char *)U8(r->parent) + KEY_BYTES * slot, KEY_BYTES);
+        if (parent == NULL)
+            return -1;
+        Py_ssize_t at = slot_of(r, parent);
+        int rc = at >= 0 ? 0 : at == -1 ? orphan_leaves(r, parent) : -1;
+        if (at >= 0 && U32(r->children)[at])
+            U32(r->children)[at]--;
+        Py_DECREF(parent);
+        if (rc < 0)
+            return -1;
+    }
+    uint32_t successors = U32(r->children)[slot];
+    U32(r->children)[slot] = 0;
+    if (successors == 0 || key == NULL)
+        return 0;
+    PyObject *count = PyLong_FromUnsignedLong(successors);
+    int rc = count == NULL ? -1 : PyDict_SetItem(r->orphans, key, count);
+    Py_XDECREF(count);
+    return rc;
+}
+
+/* Clear what the index keeps of the chunk in ``slot`` (of ``key``, or NULL: see
+ * unlink_slot), counting its namespace number out in runs (``*run_ns``, ``*run``: the
+ * number and count not yet released). */
+static int
+clear_slot(Records *r, Py_ssize_t slot, PyObject *key, uint32_t *run_ns, Py_ssize_t *run, PyObject *forgotten)
+{
+    if (unlink_slot(r, slot, key) < 0)
+        return -1;
     uint32_t ns = U32(r->namespace)[slot];
     if (ns != *run_ns) {
         if (release_number(r, *run_ns, *run, forgotten) < 0)
@@ -2013,7 +2065,7 @@ records_free(Records *r, PyObject *slots)
     Py_ssize_t run = 0;
     for (Py_ssize_t i = 0; forgotten != NULL && i < PySequence_Fast_GET_SIZE(seq); i++) {
         Py_ssize_t slot = slot_arg(r, PySequence_Fast_GET_ITEM(seq, i));
-        if (slot < 0 || clear_slot(r, slot, &run_ns, &run, forgotten) < 0)
+        if (slot < 0 || clear_slot(r, slot, NULL, &run_ns, &run, forgotten) < 0)
             Py_CLEAR(forgotten);
     }
     if (forgotten != NULL && release_number(r, run_ns, run, forgotten) < 0)
@@ -2078,7 +2130,7 @@ records_evict(Records *r, PyObject *victims)
             if (rc == 0)
                 rc = pop_key(r, key);
             if (rc == 0)
-                rc = clear_slot(r, slot, &run_ns, &run, forgotten);
+                rc = clear_slot(r, slot, key, &run_ns, &run, forgotten);
             if (rc < 0) {
                 Py_DECREF(keys);
                 goto done;
@@ -2099,8 +2151,9 @@ done:
 /* occupy(keys, slots, ns, state, parent_of, insert, owner, other): record each of ``keys``
  * (none resident) in its slot, in ``state``, of namespace number ``ns``, after
  * ``insert(owner, key, parent)`` told the owner's policy; its predecessor
- * ``parent_of(key)`` is kept only if resident already (see TierIndex._occupy_many), its
- * bytes written into the free slot first, so that one of the wrong length changes nothing.
+ * ``parent_of(key)`` is kept only if resident already and the key is no orphan (see
+ * TierIndex._occupy_many), its bytes written into the free slot first, so that one of the
+ * wrong length changes nothing; it counts the key among its resident successors.
  * ``other``: the chunks count in ``owner``'s share, not their namespace's. On an error the
  * keys before the failing one stay recorded. */
 static PyObject *
@@ -2133,17 +2186,32 @@ records_occupy(Records *r, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t slot = slot_arg(r, PySequence_Fast_GET_ITEM(slots, i));
         if (slot < 0 || check_key(key) < 0)
             goto done;
-        PyObject *parent = PyObject_CallOneArg(parent_of, key);
+        /* Resident chunks that continue an earlier copy of the key (one dropped) make it
+         * a predecessor already: a link from it could close a cycle, never evictable. */
+        PyObject *successors = PyDict_GetItemWithError(r->orphans, key);
+        if (successors == NULL && PyErr_Occurred())
+            goto done;
+        PyObject *parent = successors != NULL ? Py_NewRef(Py_None) : PyObject_CallOneArg(parent_of, key);
         if (parent == NULL)
             goto done;
+        Py_ssize_t parent_slot = -1;
         if (parent != Py_None) {
-            int32_t at = find(r->slots, parent);
-            if (at < 0) {
+            parent_slot = slot_of(r, parent);
+            if (parent_slot == -2) {
                 Py_DECREF(parent);
                 goto done;
             }
-            if (at == 0)
+            if (parent_slot == -1)
                 Py_SETREF(parent, Py_NewRef(Py_None));
+        }
+        uint32_t continued = 0;
+        if (successors != NULL) {
+            unsigned long count = PyLong_AsUnsignedLong(successors);
+            if (count == (unsigned long)-1 && PyErr_Occurred()) {
+                Py_DECREF(parent);
+                goto done;
+            }
+            continued = (uint32_t)count;
         }
         if (parent != Py_None) {
             if (PyBytes_GET_SIZE(parent) != KEY_BYTES) {
@@ -2171,6 +2239,13 @@ records_occupy(Records *r, PyObject *const *args, Py_ssize_t nargs)
         U8(r->state)[slot] = (unsigned char)state;
         U32(r->namespace)[slot] = (uint32_t)ns;
         U8(r->has_parent)[slot] = (unsigned char)has_parent;
+        if (has_parent)
+            U32(r->children)[parent_slot]++;
+        if (continued) { /* its successors continue this copy of it now */
+            U32(r->children)[slot] = continued;
+            if (PyDict_DelItem(r->orphans, key) < 0)
+                goto done;
+        }
     }
     result = Py_NewRef(Py_None);
 done:
@@ -2375,14 +2450,15 @@ static PyObject *
 records_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"slots", "state", "pins", "hits", "lease", "namespace", "parent", "has_parent",
-                            "names", "held_by", "other_owner", "victim", "tier", "error", "ready", NULL};
-    PyObject *slots, *state, *pins, *hits, *lease, *namespace, *parent, *has_parent, *names_list, *held_by,
-        *other_owner, *victim, *tier, *error;
+                            "children", "names", "held_by", "other_owner", "orphans", "victim", "tier", "error",
+                            "ready", NULL};
+    PyObject *slots, *state, *pins, *hits, *lease, *namespace, *parent, *has_parent, *children, *names_list, *held_by,
+        *other_owner, *orphans, *victim, *tier, *error;
     unsigned char ready;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOOOOO!O!O!OUOb:SlotRecords", names, &KeyIntsType, &slots,
-                                     &state, &pins, &hits, &lease, &namespace, &parent, &has_parent, &PyList_Type,
-                                     &names_list, &PyList_Type, &held_by, &PyDict_Type, &other_owner, &victim, &tier,
-                                     &error, &ready))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOOOOOO!O!O!O!OUOb:SlotRecords", names, &KeyIntsType, &slots,
+                                     &state, &pins, &hits, &lease, &namespace, &parent, &has_parent, &children,
+                                     &PyList_Type, &names_list, &PyList_Type, &held_by, &PyDict_Type, &other_owner,
+                                     &PyDict_Type, &orphans, &victim, &tier, &error, &ready))
         return NULL;
     if (!PyCallable_Check(victim) || !PyExceptionClass_Check(error)) {
         PyErr_SetString(PyExc_TypeError, "victim must be callable and error an exception type");
@@ -2404,7 +2480,8 @@ records_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         || (lease != Py_None && slot_buffer(lease, "i", 4, 1, r->size, &r->lease) < 0)
         || slot_buffer(namespace, "I", 4, 1, r->size, &r->namespace) < 0
         || slot_buffer(parent, "B", 1, KEY_BYTES, r->size, &r->parent) < 0
-        || slot_buffer(has_parent, "B", 1, 1, r->size, &r->has_parent) < 0) {
+        || slot_buffer(has_parent, "B", 1, 1, r->size, &r->has_parent) < 0
+        || slot_buffer(children, "I", 4, 1, r->size, &r->children) < 0) {
         Py_DECREF(r);
         return NULL;
     }
@@ -2412,6 +2489,7 @@ records_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     r->names = Py_NewRef(names_list);
     r->held_by = Py_NewRef(held_by);
     r->other_owner = Py_NewRef(other_owner);
+    r->orphans = Py_NewRef(orphans);
     r->victim = Py_NewRef(victim);
     r->tier = Py_NewRef(tier);
     r->error = Py_NewRef(error);
@@ -2422,7 +2500,8 @@ records_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 static void
 records_dealloc(Records *r)
 {
-    Py_buffer *views[] = {&r->state, &r->pins, &r->hits, &r->lease, &r->namespace, &r->parent, &r->has_parent};
+    Py_buffer *views[] = {&r->state,  &r->pins,       &r->hits,    &r->lease,
+                          &r->namespace, &r->parent, &r->has_parent, &r->children};
     for (size_t i = 0; i < sizeof views / sizeof views[0]; i++) {
         if (views[i]->obj != NULL)
             PyBuffer_Release(views[i]);
@@ -2431,6 +2510,7 @@ records_dealloc(Records *r)
     Py_XDECREF(r->names);
     Py_XDECREF(r->held_by);
     Py_XDECREF(r->other_owner);
+    Py_XDECREF(r->orphans);
     Py_XDECREF(r->victim);
     Py_XDECREF(r->tier);
     Py_XDECREF(r->error);
@@ -2464,8 +2544,9 @@ static PyTypeObject RecordsType = {
     .tp_basicsize = sizeof(Records),
     .tp_dealloc = (destructor)records_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "SlotRecords(slots, state, pins, hits, lease, namespace, parent, has_parent, names, held_by, "
-              "other_owner, victim, tier, error, ready): a residency index's per-chunk steps over its arrays.",
+    .tp_doc = "SlotRecords(slots, state, pins, hits, lease, namespace, parent, has_parent, children, names, "
+              "held_by, other_owner, orphans, victim, tier, error, ready): a residency index's per-chunk steps over "
+              "its arrays.",
     .tp_methods = records_methods,
     .tp_members = records_members,
     .tp_new = records_new,

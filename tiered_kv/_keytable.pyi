@@ -103,11 +103,13 @@ class SlotRecords(Generic[_V]):
     """The per-chunk steps of a batch of a residency index (tiered_kv/directory.py) over its
     own objects: its key -> ``slots`` table, each slot's ``state``, ``pins``, ``hits`` and
     ``lease`` (``None``: not kept), ``namespace`` number and predecessor (``parent``, 16
-    bytes a slot, where ``has_parent``), each number's ``names`` and the chunks it is
-    ``held_by``, and ``other_owner`` (slot -> the share a chunk counts in, where it is not
-    its namespace). Misuse raises ``error`` naming ``tier``, as the index's own steps do;
-    ``ready`` is the index's READY state and ``victim`` the type of an evicted chunk's record,
-    built as ``victim(key, slot, owner, namespace, parent)``."""
+    bytes a slot, where ``has_parent``) and resident successors (``children``), each
+    number's ``names`` and the chunks it is ``held_by``, ``other_owner`` (slot -> the share
+    a chunk counts in, where it is not its namespace) and the ``orphans`` (a key not
+    resident -> the resident chunks that still name it as predecessor). Misuse raises
+    ``error`` naming ``tier``, as the index's own steps do; ``ready`` is the index's READY
+    state and ``victim`` the type of an evicted chunk's record, built as
+    ``victim(key, slot, owner, namespace, parent)``."""
 
     #: Chunks with at least one pin.
     pinned: int
@@ -121,9 +123,11 @@ class SlotRecords(Generic[_V]):
         namespace: memoryview,
         parent: memoryview,
         has_parent: memoryview,
+        children: memoryview,
         names: list[str | None],
         held_by: list[int],
         other_owner: dict[int, str],
+        orphans: dict[bytes, int],
         victim: Callable[[bytes, int, str, str, bytes | None], _V],
         tier: str,
         error: type[Exception],

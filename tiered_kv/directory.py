@@ -175,6 +175,12 @@ class TierIndex:
         #: bytes at ``_KEY_BYTES * slot``, where ``_has_parent`` says there is one.
         self._parent = _zeros(_KEY_BYTES * n, np.uint8)
         self._has_parent = _zeros(n, np.uint8)
+        #: Each slot's chunk's resident successors (chunks naming it as predecessor) and,
+        #: for a key no longer resident (dropped, or evicted with the successors it was
+        #: passed over for), the resident chunks that still name it: a copy of it stored
+        #: again takes no predecessor, since a link from it could close a cycle.
+        self._children = _zeros(n, np.uint32)
+        self._orphans: dict[ChunkKey, int] = {}
         self._partition = partition
         self._records = self._records_of(self._slots)
         #: Chunks recorded so far by a warm restart in progress (``None``: none is), and
@@ -194,9 +200,11 @@ class TierIndex:
             self._namespace,
             self._parent,
             self._has_parent,
+            self._children,
             self._namespaces.names,
             self._namespaces.held_by,
             self._other_owner,
+            self._orphans,
             Victim,
             self.tier,
             TieredKVError,
@@ -385,6 +393,8 @@ class TierIndex:
         owner = self._owner_of(slot)
         del self._slots[key]
         self._partition.remove(owner, key)
+        if self._children[slot]:  # resident chunks still continue it
+            self._orphans[key] = self._children[slot]
         self._free_many([slot])
         return slot
 
@@ -523,7 +533,9 @@ class TierIndex:
         """Record each of ``keys`` in its slot of ``slots``, in ``state_of_all``, counted in
         ``owner``'s share, continuing the predecessor ``parent_of`` names if that was
         resident before it (a link to a chunk that was not could later close a cycle,
-        and a cycle is never evictable). The policy is told of each key first, so a bad
+        and a cycle is never evictable) and no resident chunk continues an earlier copy
+        of the key (a dropped one: the key is a predecessor already, and a link from it
+        to one of its successors would close a cycle). The policy is told of each key first, so a bad
         predecessor changes nothing; if it raises, the keys before stay recorded and the
         slots of the others are free again."""
         if not keys:  # no number for a namespace with no chunk: none would free it
@@ -587,3 +599,34 @@ class TierIndex:
             raise TieredKVError(f"{self.tier}: a free slot holds state, pins, a namespace or a predecessor")
         if self._records.pinned != sum(1 for slot in slots if self._pins[slot]):
             raise TieredKVError(f"{self.tier}: pinned-chunk count is off")
+        self._check_links()
+
+    def _check_links(self) -> None:
+        """Raise unless each chunk's resident successors and each orphan's are counted
+        right, and the links between resident chunks form no cycle."""
+        children: dict[int, int] = {}
+        orphans: dict[ChunkKey, int] = {}
+        parent_slot: dict[int, int] = {}
+        for slot in self._slots.values():
+            parent = self._parent_at(slot)
+            if parent is None:
+                continue
+            at = self._slots.get(parent)
+            if at is None:
+                orphans[parent] = orphans.get(parent, 0) + 1
+            else:
+                children[at] = children.get(at, 0) + 1
+                parent_slot[slot] = at
+        counted = {slot: int(self._children[slot]) for slot in range(self.num_slots) if self._children[slot]}
+        if counted != children or orphans != self._orphans:
+            raise TieredKVError(f"{self.tier}: the resident successors counted per chunk are off")
+        done: set[int] = set()
+        for start in parent_slot:
+            path: set[int] = set()
+            step: int | None = start
+            while step is not None and step not in done:
+                if step in path:
+                    raise TieredKVError(f"{self.tier}: the predecessor links of slot {step} form a cycle")
+                path.add(step)
+                step = parent_slot.get(step)
+            done |= path
