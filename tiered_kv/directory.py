@@ -20,7 +20,7 @@ import numpy as np
 from tiered_kv._keytable import KeyInts, Protection, SlotRecords
 from tiered_kv.errors import TieredKVError
 from tiered_kv.keys import ChunkKey
-from tiered_kv.partition import TierPartition
+from tiered_kv.partition import TierPartition, Unrestored
 from tiered_kv.slots import SlotAllocator
 
 #: A slot's state: no chunk, bytes moving into it, or a chunk that can be read.
@@ -346,7 +346,13 @@ class TierIndex:
             keep or None,
             READY,
         )
-        victims = self._partition.make_room(owner, len(wanted), protected, self._parent_of)
+        try:
+            victims = self._partition.make_room(owner, len(wanted), protected, self._parent_of)
+        except Unrestored as lost:  # in no policy any more: evicted, their bytes not kept
+            self._release(*self._records.evict(lost.victims)[1:])
+            if lost.__cause__ is not None:
+                raise lost.__cause__ from None
+            raise
         if victims is None:
             return None
         evicted, freed, forgotten = self._records.evict(victims)

@@ -44,6 +44,17 @@ class _Share:
         self.order = order  # tie-break between namespaces: the first added goes first
 
 
+class Unrestored(PolicyError):
+    """A :meth:`TierPartition.make_room` that failed could not give some of its victims
+    back to their policies (a plug-in raised): ``victims`` (namespace -> keys) are in no
+    policy any more, and their owner must forget them, as evicted. The cause is the
+    policy's error."""
+
+    def __init__(self, victims: dict[str, list[ChunkKey]]) -> None:
+        super().__init__(f"{sum(map(len, victims.values()))} victims could not be given back to their policies")
+        self.victims = victims
+
+
 class TierPartition:
     """``capacity`` chunk slots of tier ``tier``, split among namespaces.
 
@@ -203,19 +214,25 @@ class TierPartition:
             for name, share in self._shares.items()
         }
         taken: dict[str, list[ChunkKey]] = {name: [] for name in self._shares}
-        while deficit > 0:
-            plan = self._plan(deficit, requester, n, limit, taken)
-            if plan is None:
-                self._restore(taken, parent_of)
-                return None
-            for name, count in plan.items():
-                victims = self._shares[name].policy.evict(count, protected)
-                if victims is None:
-                    limit[name] = len(taken[name]) + count - 1  # it has fewer than count to give
-                    continue
-                taken[name] += victims
-                deficit -= count
-                self._used -= count
+        try:
+            while deficit > 0:
+                plan = self._plan(deficit, requester, n, limit, taken)
+                if plan is None:
+                    self._restore(taken, parent_of)
+                    return None
+                for name, count in plan.items():
+                    victims = self._shares[name].policy.evict(count, protected)
+                    if victims is None:
+                        limit[name] = len(taken[name]) + count - 1  # it has fewer than count to give
+                        continue
+                    taken[name] += victims
+                    deficit -= count
+                    self._used -= count
+        except Unrestored:
+            raise
+        except BaseException as exc:  # a policy raised (a plug-in): put back what was taken
+            self._restore(taken, parent_of, exc)
+            raise
         return {name: keys for name, keys in taken.items() if keys}
 
     def _plan(
@@ -243,10 +260,25 @@ class TierPartition:
                 heapq.heappush(heap, (minus_above + 1, later, order, name))
         return plan
 
-    def _restore(self, taken: dict[str, list[ChunkKey]], parent_of: Callable[[ChunkKey], ChunkKey | None]) -> None:
-        """Re-insert victims taken by a make_room that then failed, in the order taken."""
+    def _restore(
+        self,
+        taken: dict[str, list[ChunkKey]],
+        parent_of: Callable[[ChunkKey], ChunkKey | None],
+        failure: BaseException | None = None,
+    ) -> None:
+        """Re-insert victims taken by a make_room that then failed (``failure``: raised by
+        a policy), in the order taken; :class:`Unrestored` names those a policy would not
+        take back, which no policy holds any more."""
+        lost: dict[str, list[ChunkKey]] = {}
         for name, keys in taken.items():
             policy = self._shares[name].policy
             for key in keys:
-                policy.insert(key, parent_of(key))
-            self._used += len(keys)
+                try:
+                    policy.insert(key, parent_of(key))
+                except Exception as exc:  # a plug-in's: the key is in no policy now
+                    lost.setdefault(name, []).append(key)
+                    failure = failure or exc
+                else:
+                    self._used += 1
+        if lost:
+            raise Unrestored(lost) from failure
