@@ -50,6 +50,11 @@ from tiered_kv.telemetry import Telemetry
 
 log = get_logger("control")
 
+#: Chunks of a warm restart recorded in one :meth:`ControlPlane.restore` call, between which
+#: its caller returns to its event loop (or, under vLLM, its scheduler thread): about
+#: 0.6 ms at a million chunks, where batches of 4,096 held the loop up to 6 ms.
+RESTORE_BATCH = 1024
+
 
 class ChunkState(enum.Enum):
     """Where a namespace's chunk can be read from now."""

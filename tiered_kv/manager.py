@@ -48,6 +48,7 @@ from tiered_kv.arguments import (
 from tiered_kv.checks import is_int_at_least
 from tiered_kv.config import NvmeTierConfig, RemoteTierConfig, TieredKVConfig, WritePolicy
 from tiered_kv.control import (
+    RESTORE_BATCH,
     ControlPlane,
     NvmeWrite,
     Pool,
@@ -88,10 +89,6 @@ from tiered_kv.stats import KVEvent, RemotePoolStatistics, Statistics
 from tiered_kv.telemetry import Telemetry
 
 log = get_logger("manager")
-
-#: Chunks a warm restart records between two returns to the event loop: about 0.6 ms
-#: at a million chunks, where batches of 4,096 held the loop up to 6 ms (bench scale).
-RESTORE_BATCH = 1024
 
 
 class StoreResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from tiered_kv.config import NvmeTierConfig
+from tiered_kv.control import RESTORE_BATCH
 from tiered_kv.errors import CorruptChunk, TieredKVError, TierError
 from tiered_kv.integrations.vllm.loop_thread import LoopThread
 from tiered_kv.interfaces import HostTier, RecoverableTier, TierStats, TransferOp
@@ -36,10 +37,6 @@ from tiered_kv.registry import TIERS
 log = get_logger("vllm.core")
 
 Ticket = TypeVar("Ticket")
-
-#: Entries of a recovered nvme index handed to the control plane at once: its restore
-#: runs on the scheduler thread, which must not stall.
-RESTORE_BATCH = 4096
 
 
 class Outcome(enum.Enum):
