@@ -601,7 +601,7 @@ class TieredKV:
             if pools[0].hint is not None:
                 self._know_tenant(namespace)
             self._loads_in_flight += 1
-            sources: collections.Counter[str] = collections.Counter()
+            sources = dict.fromkeys(("cpu", "nvme", "remote"), 0)  # chunks staged from each tier
             try:
                 loaded = await self._run_load(namespace.tp_rank, plans, request_id, num_tokens, sources)
             finally:
@@ -638,7 +638,8 @@ class TieredKV:
             if len(block_ids) < num_blocks:
                 raise SpanError(f"{len(block_ids)} GPU blocks given for {num_tokens} tokens ({num_blocks} blocks)")
             starts = range(0, num_blocks, k)
-            plan_blocks = [tuple(block_ids[start : min(start + k, num_blocks)]) for start in starts]
+            filled = block_ids[:num_blocks]
+            plan_blocks = [tuple(filled[start : start + k]) for start in starts]
             return _LoadPlan(
                 pool, namespace.fingerprint_hex, namespace, list(keys[: len(starts)]), plan_blocks, [0] * len(starts)
             )
@@ -665,7 +666,7 @@ class TieredKV:
         return _LoadPlan(pool, namespace.fingerprint_hex, namespace, plan_keys, plan_blocks, firsts)
 
     async def _run_load(
-        self, rank: int, plans: list[_LoadPlan], request_id: str, num_tokens: int, sources: collections.Counter[str]
+        self, rank: int, plans: list[_LoadPlan], request_id: str, num_tokens: int, sources: dict[str, int]
     ) -> int:
         """Stage every plan's chunks in cpu, copy what was staged to the GPU; tokens loaded.
 
@@ -759,7 +760,7 @@ class TieredKV:
         plan: _LoadPlan,
         stage: _Stage,
         pinned: list[tuple[Pool, list[ChunkKey]]],
-        sources: collections.Counter[str],
+        sources: dict[str, int],
     ) -> list[int]:
         """Wait for the promotions, which pin what they bring in for this load; the cpu
         slots of the leading chunks that are staged, in order. A promotion whose claim
