@@ -121,6 +121,10 @@ class PythonStepsIndex(TierIndex):
             raise
 
     def _free_many(self, slots: list[int]) -> None:
+        self._clear(slots)
+        self._allocator.release_many(slots)
+
+    def _clear(self, slots: list[int]) -> None:
         for slot in slots:
             parent = self._parent_at(slot)
             if parent is not None:  # its predecessor counts a resident successor less
@@ -141,7 +145,6 @@ class PythonStepsIndex(TierIndex):
             self._namespaces.release(self._namespace[slot], 1)
             self._namespace[slot] = 0
             self._other_owner.pop(slot, None)
-        self._allocator.release_many(slots)
 
 
 class _PythonRecords:
@@ -161,8 +164,8 @@ class _PythonRecords:
     def evict(self, victims: dict[str, list[ChunkKey]]) -> tuple[list[Victim], list[int], list[int]]:
         evicted = self._index._python_victims(victims)
         slots = [victim.slot for victim in evicted]
-        self._index._free_many(slots)
-        return evicted, [], []  # freed already
+        self._index._clear(slots)
+        return evicted, slots, []  # numbers forgotten already
 
     def mark_ready(self, keys: Iterable[ChunkKey]) -> list[str]:
         return self._index.mark_ready_many(keys)

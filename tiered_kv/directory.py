@@ -356,10 +356,14 @@ class TierIndex:
         if victims is None:
             return None
         evicted, freed, forgotten = self._records.evict(victims)
-        self._release(freed, forgotten)
-        slots = self._allocator.allocate(len(wanted))
-        if slots is None:  # pragma: no cover - make_room made exactly enough room
+        # The victims' slots go to the new keys as they are (the allocator never hears of
+        # them): a store that evicts as many as it stores costs the allocator nothing.
+        reused = freed[: len(wanted)]
+        self._release(freed[len(wanted) :], forgotten)
+        more = self._allocator.allocate(len(wanted) - len(reused))
+        if more is None:  # pragma: no cover - make_room made exactly enough room
             raise TieredKVError(f"{self.tier}: allocator lost track of free slots")
+        slots = reused + more
         reserved = dict(zip(wanted, slots, strict=True))
         try:
             self._occupy_many(wanted, slots, owner, namespace, PENDING, parent_of)
