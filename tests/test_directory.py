@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tiered_kv._keytable import Protection
+from tiered_kv._keytable import KeyInts, Protection
 from tiered_kv.directory import PENDING, READY, LeaseEpoch, TierIndex
 from tiered_kv.errors import TieredKVError
 from tiered_kv.partition import TierPartition
@@ -140,7 +140,8 @@ def test_a_chunk_counted_in_another_share_is_read_only_by_its_own_namespace() ->
 @pytest.mark.parametrize("takes_the_map", [True, False])
 def test_a_warm_restart_in_batches_restores_every_chunk_and_then_works_as_usual(takes_the_map: bool) -> None:
     index, _ = make(8)
-    chunks = {bytes([i]) * 16: slot for i, slot in enumerate([6, 1, 4, 0, 3])}
+    chunks = KeyInts()
+    chunks.update((bytes([i]) * 16, slot) for i, slot in enumerate([6, 1, 4, 0, 3]))
     keys, slots = list(chunks), list(chunks.values())
     index.begin_restore(chunks if takes_the_map else None)
     for start in range(0, len(keys), 2):
@@ -157,7 +158,8 @@ def test_a_warm_restart_in_batches_restores_every_chunk_and_then_works_as_usual(
 
 def test_a_warm_restart_that_misses_a_batch_or_starts_on_a_used_index_is_refused() -> None:
     index, _ = make(4)
-    chunks = {b"a" * 16: 0, b"b" * 16: 1}
+    chunks = KeyInts()
+    chunks.update([(b"a" * 16, 0), (b"b" * 16, 1)])
     with pytest.raises(TieredKVError, match="without begin_restore"):
         index.restore_many(list(chunks), list(chunks.values()), TENANTS[0])
     index.begin_restore(chunks)
@@ -167,7 +169,7 @@ def test_a_warm_restart_that_misses_a_batch_or_starts_on_a_used_index_is_refused
     used, _ = make(4)
     used.reserve([b"c" * 16], TENANTS[0])
     with pytest.raises(TieredKVError, match="empty index"):
-        used.begin_restore({b"a" * 16: 0})
+        used.begin_restore(KeyInts())
 
 
 def test_a_load_pins_the_leading_run_ready_for_its_namespace_and_stops_at_the_first_other() -> None:

@@ -120,10 +120,6 @@ class PythonStepsIndex(TierIndex):
             self._allocator.release_many(unrecorded)
             raise
 
-    def _free_many(self, slots: list[int]) -> None:
-        self._clear(slots)
-        self._allocator.release_many(slots)
-
     def _clear(self, slots: list[int]) -> None:
         for slot in slots:
             parent = self._parent_at(slot)

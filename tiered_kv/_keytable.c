@@ -1689,8 +1689,7 @@ static PyTypeObject ListsType = {
  * the eviction walk asks it without a Python call. */
 struct Protection {
     PyObject_HEAD
-    PyObject *slots; /* key -> slot: a KeyInts, or a dict (an index a warm restart took as it was) */
-    Table *table; /* ``slots`` if it is a KeyInts */
+    Table *table; /* key -> slot (a KeyInts) */
     Py_buffer state, pins, lease; /* lease.obj == NULL: the tier takes no leases */
     long long epoch;
     PyObject *kept, *keep; /* NULL: none */
@@ -1706,21 +1705,10 @@ protection_check(Protection *p, PyObject *key)
         return yes;
     if (p->keep != NULL && (yes = PySequence_Contains(p->keep, key)) != 0)
         return yes;
-    long long slot;
-    if (p->table != NULL) {
-        int32_t i = find(p->table, key);
-        if (i <= 0)
-            return i < 0 ? -1 : 1;
-        slot = ENTRY(p->table, i)->value.num;
-    }
-    else {
-        PyObject *value = PyDict_GetItemWithError(p->slots, key);
-        if (value == NULL)
-            return PyErr_Occurred() ? -1 : 1;
-        slot = PyLong_AsLongLong(value);
-        if (slot == -1 && PyErr_Occurred())
-            return -1;
-    }
+    int32_t i = find(p->table, key);
+    if (i <= 0)
+        return i < 0 ? -1 : 1;
+    long long slot = ENTRY(p->table, i)->value.num;
     if (slot < 0 || slot >= p->state.len || slot >= p->pins.len / 2 || (p->lease.obj && slot >= p->lease.len / 4)) {
         PyErr_Format(PyExc_IndexError, "slot %lld is outside the index's arrays", slot);
         return -1;
@@ -1761,25 +1749,18 @@ protection_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     PyObject *slots, *state, *pins, *lease, *kept, *keep;
     long long epoch;
     unsigned char ready;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLOOb:Protection", names, &slots, &state, &pins, &lease,
-                                     &epoch, &kept, &keep, &ready))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOLOOb:Protection", names, &KeyIntsType, &slots, &state,
+                                     &pins, &lease, &epoch, &kept, &keep, &ready))
         return NULL;
     Protection *p = (Protection *)type->tp_alloc(type, 0);
     if (p == NULL)
         return NULL;
-    if (Py_TYPE(slots) == &KeyIntsType)
-        p->table = (Table *)slots;
-    else if (!PyDict_Check(slots)) {
-        PyErr_Format(PyExc_TypeError, "slots must be a KeyInts or a dict, not %.100s", Py_TYPE(slots)->tp_name);
-        Py_DECREF(p);
-        return NULL;
-    }
     if (typed_buffer(state, "B", 1, &p->state) < 0
         || typed_buffer(pins, "H", 2, &p->pins) < 0 || (lease != Py_None && typed_buffer(lease, "i", 4, &p->lease) < 0)) {
         Py_DECREF(p);
         return NULL;
     }
-    p->slots = Py_NewRef(slots);
+    p->table = (Table *)Py_NewRef(slots);
     p->epoch = epoch;
     p->ready = ready;
     p->kept = kept == Py_None ? NULL : Py_NewRef(kept);
@@ -1795,7 +1776,7 @@ protection_dealloc(Protection *p)
         if (views[i]->obj != NULL)
             PyBuffer_Release(views[i]);
     }
-    Py_XDECREF(p->slots);
+    Py_XDECREF(p->table);
     Py_XDECREF(p->kept);
     Py_XDECREF(p->keep);
     Py_TYPE(p)->tp_free((PyObject *)p);
@@ -1976,8 +1957,8 @@ orphan_leaves(Records *r, PyObject *key)
 
 /* The chunk in ``slot`` leaves: its predecessor counts a resident successor less (in
  * ``children`` if resident, else in the orphans), and if resident chunks still continue
- * it, ``key`` (NULL: the caller has counted them) goes into the orphans with their
- * number, so that a later copy of the key is not made to continue one of them. */
+ * it, ``key`` goes into the orphans with their number, so that a later copy of the key
+ * is not made to continue one of them. */
 static int
 unlink_slot(Records *r, Py_ssize_t slot, PyObject *key)
 {
@@ -1995,7 +1976,7 @@ unlink_slot(Records *r, Py_ssize_t slot, PyObject *key)
     }
     uint32_t successors = U32(r->children)[slot];
     U32(r->children)[slot] = 0;
-    if (successors == 0 || key == NULL)
+    if (successors == 0)
         return 0;
     PyObject *count = PyLong_FromUnsignedLong(successors);
     int rc = count == NULL ? -1 : PyDict_SetItem(r->orphans, key, count);
@@ -2003,9 +1984,9 @@ unlink_slot(Records *r, Py_ssize_t slot, PyObject *key)
     return rc;
 }
 
-/* Clear what the index keeps of the chunk in ``slot`` (of ``key``, or NULL: see
- * unlink_slot), counting its namespace number out in runs (``*run_ns``, ``*run``: the
- * number and count not yet released). */
+/* Clear what the index keeps of the chunk in ``slot`` (of ``key``), counting its
+ * namespace number out in runs (``*run_ns``, ``*run``: the number and count not yet
+ * released). */
 static int
 clear_slot(Records *r, Py_ssize_t slot, PyObject *key, uint32_t *run_ns, Py_ssize_t *run, PyObject *forgotten)
 {
@@ -2051,27 +2032,6 @@ slot_arg(Records *r, PyObject *obj)
         return -1;
     }
     return slot;
-}
-
-/* free(slots): clear each slot's records; the namespace numbers no chunk holds any more. */
-static PyObject *
-records_free(Records *r, PyObject *slots)
-{
-    PyObject *seq = PySequence_Fast(slots, "free() takes a sequence of slots");
-    if (seq == NULL)
-        return NULL;
-    PyObject *forgotten = PyList_New(0);
-    uint32_t run_ns = 0;
-    Py_ssize_t run = 0;
-    for (Py_ssize_t i = 0; forgotten != NULL && i < PySequence_Fast_GET_SIZE(seq); i++) {
-        Py_ssize_t slot = slot_arg(r, PySequence_Fast_GET_ITEM(seq, i));
-        if (slot < 0 || clear_slot(r, slot, NULL, &run_ns, &run, forgotten) < 0)
-            Py_CLEAR(forgotten);
-    }
-    if (forgotten != NULL && release_number(r, run_ns, run, forgotten) < 0)
-        Py_CLEAR(forgotten);
-    Py_DECREF(seq);
-    return forgotten;
 }
 
 /* The record of the chunk in ``slot`` as evicted or copied: a ``victim`` of its key, slot,
@@ -2520,7 +2480,6 @@ records_dealloc(Records *r)
 static PyMethodDef records_methods[] = {
     {"evict", (PyCFunction)records_evict, METH_O,
      "evict(victims): owner -> keys out of the table, slots cleared; (records, slots, numbers forgotten)"},
-    {"free", (PyCFunction)records_free, METH_O, "free(slots): clear the slots; the namespace numbers forgotten"},
     {"occupy", (PyCFunction)(void (*)(void))records_occupy, METH_FASTCALL,
      "occupy(keys, slots, ns, state, parent_of, insert, owner, other): record new keys, each after insert()"},
     {"mark_ready", (PyCFunction)records_mark_ready, METH_O, "mark_ready(keys): PENDING -> READY; their namespaces"},

@@ -81,14 +81,14 @@ class PrefixLists:
 
 class Protection:
     """Whether an eviction must pass ``key`` over, read from a residency index's arrays:
-    a key in ``kept`` or ``keep``, one absent from ``slots`` (a KeyInts, or a dict a warm
-    restart handed over), or one whose slot is pinned
-    (``pins``), not ``ready`` (``state``: the index's READY) or leased in ``epoch`` (``lease``, if the tier takes
-    leases). :meth:`PrefixLists.evict` asks it without a Python call."""
+    a key in ``kept`` or ``keep``, one absent from ``slots``, or one whose slot is pinned
+    (``pins``), not ``ready`` (``state``: the index's READY) or leased in ``epoch``
+    (``lease``, if the tier takes leases). :meth:`PrefixLists.evict` asks it without a
+    Python call."""
 
     def __init__(
         self,
-        slots: KeyInts | dict[bytes, int],
+        slots: KeyInts,
         state: bytearray | memoryview,
         pins: array[int] | memoryview,
         lease: array[int] | memoryview | None,
@@ -136,8 +136,6 @@ class SlotRecords(Generic[_V]):
     def evict(self, victims: dict[str, list[bytes]], /) -> tuple[list[_V], list[int], list[int]]:
         """Take each key of ``victims`` (owner -> keys) out of the table and clear its slot:
         their records, their slots, and the namespace numbers no chunk holds any more."""
-    def free(self, slots: Sequence[int], /) -> list[int]:
-        """Clear each of ``slots``; the namespace numbers no chunk holds any more."""
     def occupy(
         self,
         keys: Sequence[bytes],

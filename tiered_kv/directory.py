@@ -38,13 +38,6 @@ def _zeros(n: int, dtype: type[np.generic]) -> memoryview:
     return np.zeros(n, dtype).data
 
 
-def _as_key_ints(chunks: Mapping[ChunkKey, int]) -> KeyInts:
-    """``chunks`` as the index's table (a warm restart handed a plain mapping)."""
-    table = KeyInts()
-    table.update(chunks.items())
-    return table
-
-
 class LeaseEpoch:
     """The current step of an engine that answers a lookup in one call and plans the load
     in a later one: a chunk leased in the current epoch is not evicted, and advancing the
@@ -401,11 +394,8 @@ class TierIndex:
         if self._pins[slot]:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is pinned ({self._pins[slot]})")
         owner = self._owner_of(slot)
-        del self._slots[key]
         self._partition.remove(owner, key)
-        if self._children[slot]:  # resident chunks still continue it
-            self._orphans[key] = self._children[slot]
-        self._free_many([slot])
+        self._release(*self._records.evict({owner: [key]})[1:])
         return slot
 
     def restore(
@@ -424,14 +414,13 @@ class TierIndex:
 
         ``chunks``, key → slot of every chunk the store holds, becomes the index's map
         as it is, not copied (the caller gives it up), so that a million chunks cost the
-        loop no table building (a plain mapping is copied into one: the index's C steps
-        read a KeyInts); the batches are then its items. Without it, each batch adds its
-        own chunks to the map."""
+        loop no table building; the batches are then its items. Without it, each batch
+        adds its own chunks to the map."""
         if self._slots or self._partition.used or self._restoring is not None:
             raise TieredKVError(f"{self.tier}: a warm restart starts from an empty index")
         if chunks is not None:
-            self._slots = chunks if isinstance(chunks, KeyInts) else _as_key_ints(chunks)
-            self._records = self._records_of(self._slots)
+            self._slots = chunks
+            self._records = self._records_of(chunks)
         self._restoring = 0
         self._took_map = chunks is not None
 
@@ -561,10 +550,6 @@ class TierIndex:
             self._namespaces.release(ns, len(unrecorded))
             self._allocator.release_many(unrecorded)
             raise
-
-    def _free_many(self, slots: list[int]) -> None:
-        """Clear what the index keeps of each of ``slots`` and give them back to the allocator."""
-        self._release(slots, self._records.free(slots))
 
     def _release(self, slots: list[int], forgotten: list[int]) -> None:
         """Give ``slots``, their records cleared, back to the allocator, and make the
