@@ -224,6 +224,11 @@ class CachePolicy(Protocol):
     in a radix-tree cache. A predecessor need not be resident (it may live in another
     tier, or come later): a key whose predecessor is absent is a root until it arrives.
     Predecessors form a forest, as chained chunk keys always do.
+
+    **Failures.** A method that raises must have changed nothing: the owner puts back
+    what a failed eviction took and keeps its index in step on that assumption. A raise
+    in the owner's background work (a spill, a promotion) is a bug the owner reports as
+    fatal (DESIGN invariant 7).
     """
 
     name: str
