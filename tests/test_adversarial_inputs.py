@@ -122,4 +122,4 @@ def test_a_block_id_whose_type_claims_to_be_int_is_taken_as_the_int_it_is() -> N
     ids = require_block_ids([0, 1, _LiesInComparisons(-1), 3])
     assert [type(block) for block in ids] == [int] * 4
     with pytest.raises(BlockTableError):
-        blocks_in_range(ids, 64)
+        blocks_in_range(ids, len(ids), 64)

@@ -18,6 +18,7 @@ import pytest
 from tiered_kv._keytable import SlotRecords
 from tiered_kv.directory import _KEY_BYTES, _MAX_COUNT, FREE, PENDING, READY, LeaseEpoch, TierIndex, Victim
 from tiered_kv.errors import TieredKVError
+from tiered_kv.interfaces import CachePolicy
 from tiered_kv.keys import ChunkKey
 from tiered_kv.partition import TierPartition
 
@@ -323,15 +324,16 @@ def test_a_policy_that_raises_mid_batch_reserves_nothing_and_puts_the_victims_ba
 ) -> None:
     index, keys = resident_index(capacity=6, policy="arc")
     index.mark_ready_many(keys)
-    insert, calls = index.partition.insert, []
+    policy_type = type(index.partition.policy(OWNERS[0]))
+    insert, calls = policy_type.insert, []
 
-    def failing(namespace: str, key: ChunkKey, parent: ChunkKey | None = None) -> None:
+    def failing(policy: CachePolicy, key: ChunkKey, parent: ChunkKey | None = None) -> None:
         calls.append(key)
         if len(calls) == 3:
             raise RuntimeError("the policy failed")
-        insert(namespace, key, parent)
+        insert(policy, key, parent)
 
-    monkeypatch.setattr(index.partition, "insert", failing)
+    monkeypatch.setattr(policy_type, "insert", failing)
     new = [ChunkKey(bytes([i]) * 16) for i in range(10, 15)]
     with pytest.raises(RuntimeError, match="the policy failed"):
         index.reserve(new, OWNERS[0], "tenant-c")

@@ -45,8 +45,9 @@ def test_the_wheel_holds_only_the_tiered_kv_package_typed(wheel: Path) -> None:
     dist_info = [name for name in names if ".dist-info/" in name]
     assert {name.split("/")[0] for name in dist_info} == {"-".join(wheel.name.split("-")[:2]) + ".dist-info"}
     assert all(name.startswith("tiered_kv/") for name in set(names) - set(dist_info)), names
-    assert "tiered_kv/py.typed" in names and "tiered_kv/_keytable.pyi" in names
-    assert [n for n in names if n.startswith("tiered_kv/_keytable.") and n.endswith(".so")], "the C key tables"
+    assert {"tiered_kv/py.typed", "tiered_kv/_keytable.pyi", "tiered_kv/_blockids.pyi"} <= set(names)
+    for extension in ("_keytable", "_blockids"):  # the C key tables, the block table's checks
+        assert [n for n in names if n.startswith(f"tiered_kv/{extension}.") and n.endswith(".so")], extension
     for module in ("tiers/gpu.py", "tiers/nvme.py", "policies/lru.py", "metrics.py", "__main__.py"):
         assert f"tiered_kv/{module}" in names
     top_level = zipfile.ZipFile(wheel).read(next(n for n in dist_info if n.endswith("top_level.txt")))

@@ -2110,7 +2110,7 @@ done:
 
 /* occupy(keys, slots, ns, state, parent_of, insert, owner, other): record each of ``keys``
  * (none resident) in its slot, in ``state``, of namespace number ``ns``, after
- * ``insert(owner, key, parent)`` told the owner's policy; its predecessor
+ * ``insert(key, parent)`` told the owner's policy; its predecessor
  * ``parent_of(key)`` is kept only if resident already and the key is no orphan (see
  * TierIndex._occupy_many), its bytes written into the free slot first, so that one of the
  * wrong length changes nothing; it counts the key among its resident successors.
@@ -2182,8 +2182,8 @@ records_occupy(Records *r, PyObject *const *args, Py_ssize_t nargs)
             }
             memcpy(U8(r->parent) + KEY_BYTES * slot, PyBytes_AS_STRING(parent), KEY_BYTES);
         }
-        PyObject *call[] = {owner, key, parent};
-        PyObject *inserted = PyObject_Vectorcall(insert, call, 3, NULL);
+        PyObject *call[] = {key, parent};
+        PyObject *inserted = PyObject_Vectorcall(insert, call, 2, NULL);
         int has_parent = parent != Py_None;
         Py_DECREF(parent);
         if (inserted == NULL)

@@ -143,12 +143,13 @@ class SlotRecords(Generic[_V]):
         ns: int,
         state: int,
         parent_of: Callable[[bytes], bytes | None],
-        insert: Callable[[str, bytes, bytes | None], object],
+        insert: Callable[[bytes, bytes | None], object],
         owner: str,
         other: bool,
         /,
     ) -> None:
-        """Record each of ``keys`` in its slot after ``insert(owner, key, parent)``; the
+        """Record each of ``keys`` in its slot after ``insert(key, parent)`` (the owner's
+        policy's); the
         keys before one that fails stay recorded."""
     def mark_ready(self, keys: Iterable[bytes], /) -> list[str]: ...
     def pin_ready_run(self, keys: Iterable[bytes], ns: int, /) -> int: ...

@@ -14,6 +14,7 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeGuard
 
+from tiered_kv._blockids import scan
 from tiered_kv.errors import BlockTableError, ChunkKeyError, NamespaceError, RequestError, TieredKVError
 from tiered_kv.keys import KEY_BYTES
 from tiered_kv.namespace import Namespace
@@ -56,8 +57,8 @@ def require_keys(keys: Sequence[Any]) -> None:
 
 def require_block_ids(table: Iterable[Any]) -> list[int]:
     """The block ids as ``int``s (numpy and torch integers too; never ``bool``)."""
-    if type(table) is list and all(type(block) is int for block in table):
-        return table
+    if scan(table, 0) is not None:  # a list of ints already (in C, without a step per id)
+        return table  # type: ignore[return-value]
     table = list(table)  # an iterator is walked twice below
     try:
         ids = [operator.index(block) for block in table]
@@ -69,23 +70,37 @@ def require_block_ids(table: Iterable[Any]) -> list[int]:
     return ids
 
 
-def blocks_in_range(blocks: Sequence[int], num_blocks: int) -> None:
-    """Refuse block ids the registered KV cache does not have."""
-    if blocks and (min(blocks) < 0 or max(blocks) >= num_blocks):
-        bad = next(block for block in blocks if not 0 <= block < num_blocks)
-        raise BlockTableError(f"GPU block {bad} is outside the registered KV cache's {num_blocks} blocks")
+def blocks_in_range(table: Sequence[int], stop: int, num_blocks: int, *, holes: bool = False) -> None:
+    """Refuse block ids among ``table[:stop]`` (ids from :func:`require_block_ids`) that the
+    registered KV cache does not have; with ``holes``, negative ids (blocks the engine no
+    longer holds, which are not copied) pass."""
+    lowest, highest = _bounds(table, stop)
+    if highest < num_blocks and (holes or lowest >= 0):
+        return
+    bad = next(block for block in table[:stop] if block >= num_blocks or (block < 0 and not holes))
+    raise BlockTableError(f"GPU block {bad} is outside the registered KV cache's {num_blocks} blocks")
 
 
-def distinct_blocks(blocks: Sequence[int], what: str) -> None:
-    """Refuse GPU blocks named twice among the blocks chunks are copied from or into:
-    one block holds one chunk position's tokens."""
-    if len(set(blocks)) == len(blocks):
+def distinct_blocks(table: Sequence[int], stop: int, what: str) -> None:
+    """Refuse GPU blocks named twice among ``table[:stop]``, the blocks chunks are copied
+    from or into: one block holds one chunk position's tokens."""
+    scanned = scan(table, stop)
+    if scanned is not None and scanned[2]:
         return
     seen: set[int] = set()
-    for block in blocks:
+    for block in table[:stop]:
         if block in seen:
             raise BlockTableError(f"GPU block {block} appears in two chunks {what}")
         seen.add(block)
+
+
+def _bounds(table: Sequence[int], stop: int) -> tuple[int, int]:
+    """The lowest and highest of ``table[:stop]``; ``(0, -1)`` when that is empty."""
+    scanned = scan(table, stop)
+    if scanned is not None:
+        return scanned[0], scanned[1]
+    head = table[:stop]
+    return (min(head), max(head)) if head else (0, -1)
 
 
 def _is_sequence(value: object) -> TypeGuard[Sequence[Any]]:

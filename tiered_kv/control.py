@@ -31,6 +31,7 @@ import enum
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from tiered_kv._blockids import scan
 from tiered_kv._keytable import KeyInts
 from tiered_kv.arguments import distinct_blocks, require_namespace
 from tiered_kv.config import NamespacePolicyConfig, RemoteTierConfig, WritePolicy
@@ -554,13 +555,15 @@ class ControlPlane:
             resident = pool.resident_anywhere
             whole = min(len(group_keys), len(table) // k)  # chunks the table names every block of
             skipped += len(group_keys) - whole
-            held = table[: whole * k]
             chunk_keys = group_keys[:whole]
-            candidates = [(key, tuple(table[c * k : (c + 1) * k])) for c, key in enumerate(chunk_keys)]
-            if not held or (min(held) >= 0 and len(set(chunk_keys)) == whole and not pool.any_resident(chunk_keys)):
+            # Each key with its k blocks (k copies of one iterator, zipped, take k ids a time).
+            candidates = list(zip(chunk_keys, zip(*[iter(table[: whole * k])] * k, strict=True), strict=True))
+            lowest, _, distinct = scan(table, whole * k) or (-1, -1, False)
+            if lowest >= 0 and len(set(chunk_keys)) == whole and not pool.any_resident(chunk_keys):
                 # The usual store: every chunk new, named once, over blocks the engine holds.
                 parents.update(zip(chunk_keys, [None, *chunk_keys], strict=False))  # each the one before it
-                distinct_blocks(held, "to be stored")
+                if not distinct:
+                    distinct_blocks(table, whole * k, "to be stored")
             else:  # chunk by chunk: those touching a dropped block, repeated or held are skipped
                 every, candidates, seen = candidates, [], set()
                 for c, (key, blocks) in enumerate(every):
@@ -570,7 +573,8 @@ class ControlPlane:
                     seen.add(key)
                     parents[key] = chunk_keys[c - 1] if c else None
                     candidates.append((key, blocks))
-                distinct_blocks([block for _, blocks in candidates for block in blocks], "to be stored")
+                held = [block for _, blocks in candidates for block in blocks]
+                distinct_blocks(held, len(held), "to be stored")
             planned.append((pool, candidates))
         return self._reserve_store(planned, parents, fingerprint, skipped, partial)
 

@@ -539,17 +539,18 @@ class TierIndex:
         slots of the others are free again."""
         if not keys:  # no number for a namespace with no chunk: none would free it
             return
+        insert = self._partition.inserter(owner, len(keys))
         ns = self._namespaces.hold(namespace, len(keys))
         try:
-            self._records.occupy(
-                keys, slots, ns, state_of_all, parent_of, self._partition.insert, owner, owner != namespace
-            )
+            self._records.occupy(keys, slots, ns, state_of_all, parent_of, insert, owner, owner != namespace)
         except BaseException:
             # The keys recorded are the ones now resident (none was before).
             unrecorded = [slot for key, slot in zip(keys, slots, strict=True) if key not in self._slots]
+            self._partition.count_inserted(len(keys) - len(unrecorded))
             self._namespaces.release(ns, len(unrecorded))
             self._allocator.release_many(unrecorded)
             raise
+        self._partition.count_inserted(len(keys))
 
     def _release(self, slots: list[int], forgotten: list[int]) -> None:
         """Give ``slots``, their records cleared, back to the allocator, and make the

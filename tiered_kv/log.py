@@ -111,23 +111,42 @@ class EventLogger:
         self._target = None
 
 
+def _field_var(name: str) -> contextvars.ContextVar[Any]:
+    """The context variable structlog's ``bind_contextvars`` sets for ``name`` (it makes one
+    per name, once, and keeps it), found through the token a binding returns."""
+    token = bind_contextvars(**{name: None})[name]
+    token.var.reset(token)
+    return token.var
+
+
+_REQUEST_ID = _field_var("request_id")
+_NAMESPACE = _field_var("namespace")
+
+
 class bound_to_call:
-    """Bind ``fields`` to the context of a call (its events, and those of the tasks it
-    starts, carry them) and put back what was bound before on exit: structlog's
-    ``bound_contextvars``, on the path of every ``load`` and ``store``, at the cost of
-    structlog's ``bind_contextvars`` and one reset per field (``bound_contextvars`` also
-    reads the whole context first, and unbinds and binds again on exit)."""
+    """Bind a call's ``request_id`` and ``namespace`` (those given) to its context (its
+    events, and those of the tasks it starts, carry them) and put back what was bound
+    before on exit: structlog's ``bound_contextvars``, on the path of every ``load`` and
+    ``store``, at the cost of one ``set`` and one ``reset`` of structlog's context variable
+    per field (``bound_contextvars`` looks each up by name and reads the whole context)."""
 
-    __slots__ = ("_fields", "_tokens")
+    __slots__ = ("_namespace", "_request_id", "_tokens")
 
-    def __init__(self, **fields: Any) -> None:
-        self._fields = fields
+    def __init__(self, *, request_id: str | None = None, namespace: str | None = None) -> None:
+        self._request_id = request_id
+        self._namespace = namespace
 
     def __enter__(self) -> None:
-        self._tokens = bind_contextvars(**self._fields)
+        request_id, namespace = self._request_id, self._namespace
+        self._tokens = (
+            None if request_id is None else _REQUEST_ID.set(request_id),
+            None if namespace is None else _NAMESPACE.set(namespace),
+        )
 
     def __exit__(self, *exc_info: object) -> None:
-        for token in reversed(list(self._tokens.values())):
+        for token in reversed(self._tokens):
+            if token is None:
+                continue
             try:
                 token.var.reset(token)
             except ValueError:  # left in another context than it was entered in: put the old value back

@@ -148,8 +148,24 @@ class _StoreJob:
         self.namespace = namespace
         self.rank = namespace.tp_rank
         self.request_id = request_id
-        #: Resolved once no copy of this job reads GPU blocks any more (done, failed or cancelled).
-        self.gpu_released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._released = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def gpu_released(self) -> asyncio.Future[None]:
+        """Resolved once no copy of this job reads GPU blocks any more (done, failed or
+        cancelled). Made when first asked for: most jobs finish before anyone waits."""
+        if self._waiter is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            if self._released:
+                self._waiter.set_result(None)
+        return self._waiter
+
+    def release_gpu(self) -> None:
+        """No copy of this job reads GPU blocks any more."""
+        self._released = True
+        if self._waiter is not None:
+            self._waiter.set_result(None)
 
     @functools.cached_property
     def blocks(self) -> frozenset[int]:
@@ -583,9 +599,9 @@ class TieredKV:
                 for pool, plan, table in zip(pools, plans, tables, strict=True):
                     require_keys(plan.keys)
                     gpu = self._drivers[pool.id].gpus[namespace.tp_rank]
-                    filled = table[: sum(map(len, plan.blocks))]  # the blocks the plan fills
-                    blocks_in_range(filled, gpu.num_slots)
-                    distinct_blocks(filled, "to be loaded")
+                    filled = sum(map(len, plan.blocks))  # the blocks the plan fills lead the table
+                    blocks_in_range(table, filled, gpu.num_slots)
+                    distinct_blocks(table, filled, "to be loaded")
             except (SpanError, BlockTableError) as exc:
                 reason = "span" if isinstance(exc, SpanError) else "block_table"
                 self._telemetry.loads_rejected[reason] += 1
@@ -948,10 +964,9 @@ class TieredKV:
         ]
         for pool, group_keys, table in zip(pools, copies, tables, strict=True):
             require_keys(group_keys)
-            copied = table[: len(group_keys) * pool.blocks_per_chunk]
-            if copied and min(copied) < 0:  # blocks the engine no longer holds are not copied
-                copied = [b for b in copied if b >= 0]
-            blocks_in_range(copied, self._drivers[pool.id].gpus[namespace.tp_rank].num_slots)
+            # Blocks the engine no longer holds (negative ids) are not copied.
+            num_blocks = self._drivers[pool.id].gpus[namespace.tp_rank].num_slots
+            blocks_in_range(table, len(group_keys) * pool.blocks_per_chunk, num_blocks, holes=True)
         return copies, tables
 
     def _submit_store(
@@ -1010,7 +1025,7 @@ class TieredKV:
             return
         finally:
             # Done, failed or cancelled: no copy reads the engine's blocks any more.
-            job.gpu_released.set_result(None)
+            job.release_gpu()
         write_through = self._control.complete_store(group, ok=True)
         ms = (self._clock() - started) * 1e3
         log.debug(

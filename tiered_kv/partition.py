@@ -153,6 +153,19 @@ class TierPartition:
         share.policy.insert(key, parent)
         self._used += 1
 
+    def inserter(self, namespace: str, n: int) -> Callable[[ChunkKey, ChunkKey | None], None]:
+        """``namespace``'s policy's ``insert``, for a caller that inserts ``n`` keys one by
+        one (no Python step of the partition's per key) and then counts those inserted
+        with :meth:`count_inserted`; the tier must have room for all ``n``."""
+        policy = self._share(namespace).policy
+        if self._used + n > self.capacity:
+            raise PolicyError(f"tier {self.tier} is full ({self.capacity} chunks); make room first")
+        return policy.insert
+
+    def count_inserted(self, n: int) -> None:
+        """Count ``n`` keys inserted through :meth:`inserter`."""
+        self._used += n
+
     def insert_many(self, namespace: str, keys: Sequence[ChunkKey]) -> None:
         """:meth:`insert` of each of ``keys``, in order (a warm restart's batches)."""
         policy = self._share(namespace).policy

@@ -1,0 +1,3 @@
+"""Types of tiered_kv/_blockids.c: a block table's checks in one pass."""
+
+def scan(table: object, stop: int, /) -> tuple[int, int, bool] | None: ...
