@@ -25,6 +25,7 @@ from tiered_kv import (
     chunk_keys,
 )
 from tiered_kv.errors import ConfigError, TierError, TierIOError
+from tiered_kv.manager import _StoreJob
 from tiered_kv.null import NullTier, NullTiers
 from tiered_kv.stats import KVEventKind
 
@@ -52,6 +53,26 @@ async def test_flush_from_a_tenant_waits_for_stores_reading_those_blocks() -> No
     assert not flushed.done()
     harness.gpu.gate.set()
     await flushed
+    await harness.kv.close()
+
+
+async def test_a_store_jobs_release_reaches_a_waiter_that_asks_before_or_after_it() -> None:
+    """The future is made when first asked for: after the release it is made resolved
+    (a flush between a copy's end and its task's clean-up must not wait forever)."""
+    harness = await open_harness(config())
+    harness.gpu.gate.clear()
+    await harness.store(keys_for(2), request_id="r")
+    (job,) = harness.kv._jobs["r"]
+    asked_first, released_first = (_StoreJob(job.group, job.namespace, name) for name in ("a", "b"))
+    waiter = asked_first.gpu_released
+    assert not waiter.done()
+    asked_first.release_gpu()
+    assert waiter.done() and asked_first.gpu_released is waiter
+    released_first.release_gpu()
+    assert released_first.gpu_released.done()
+    assert not job.gpu_released.done()  # the real job's copy still waits
+    harness.gpu.gate.set()
+    await harness.kv.finish_request("r")
     await harness.kv.close()
 
 
