@@ -112,3 +112,38 @@ def test_after_a_warm_restart_the_slots_past_the_last_claimed_are_handed_out_in_
     assert allocator.allocate(8) == [0, 1, 3, 4, 5, 6, 8, 9]
     allocator.release_many([4, 0])
     assert allocator.allocate(3) == [0, 4, 10]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    num_slots=st.integers(0, 60),
+    before=st.lists(st.tuples(st.sampled_from(["allocate", "release"]), st.integers(0, 20)), max_size=12),
+    claimed=st.sets(st.integers(0, 59), max_size=30),
+    step=st.integers(1, 70),
+)
+def test_settling_in_steps_hands_out_what_one_settle_does_in_the_same_order(
+    num_slots: int, before: list[tuple[str, int]], claimed: set[int], step: int
+) -> None:
+    """Steps of any size, from the highest slots down, build the same free list: the
+    same slots handed out in the same order, then the same releases taken back first."""
+    allocators = [SlotAllocator(num_slots), SlotAllocator(num_slots)]
+    for allocator in allocators:  # the same history of allocations and releases, then a bulk claim
+        held: list[int] = []
+        for name, n in before:
+            if name == "allocate":
+                held += allocator.allocate(n) or []
+            elif held:
+                allocator.release(held.pop(n % len(held)))
+        free_now = set(range(num_slots)) - set(held)
+        bulk = sorted(slot for slot in claimed if slot in free_now)
+        allocator.claim_many(bulk)
+    one, stepped = allocators
+    one.settle()
+    steps = list(stepped.settling(step))
+    assert len(steps) == (-(-num_slots // step) if bulk else 0)  # a yield per step: the loop runs between them
+    assert (stepped.free, stepped.used) == (one.free, one.used)
+    out = one.allocate(one.free // 2) or []
+    assert stepped.allocate(len(out)) == out
+    one.release_many(out[::3])
+    stepped.release_many(out[::3])
+    assert stepped.allocate(stepped.free) == one.allocate(one.free)

@@ -29,7 +29,7 @@ import collections
 import dataclasses
 import enum
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tiered_kv._blockids import scan
 from tiered_kv._keytable import KeyInts
@@ -365,8 +365,14 @@ class ControlPlane:
 
     def restored(self, pool: Pool) -> None:
         """The last batch of :meth:`restore` is in: the pool is ready for use."""
+        for _ in self.settling(pool):
+            pass
+
+    def settling(self, pool: Pool) -> Iterator[None]:
+        """:meth:`restored` in steps, yielding between them: an asyncio caller gives the
+        event loop back at each (the pool is ready after the last)."""
         assert pool.nvme is not None
-        pool.nvme.settle()
+        return pool.nvme.settling()
 
     def pools_of(self, namespace: Namespace) -> list[Pool]:
         """The pools of ``namespace``'s model runner, one per KV group."""

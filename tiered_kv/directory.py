@@ -12,7 +12,7 @@ and, optionally, a quota of chunks another namespace's traffic cannot take.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 
 import msgspec
 import numpy as np
@@ -22,6 +22,7 @@ from tiered_kv.errors import TieredKVError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.partition import TierPartition, Unrestored
 from tiered_kv.slots import SlotAllocator
+from tiered_kv.zeroed import zeroed
 
 #: A slot's state: no chunk, bytes moving into it, or a chunk that can be read.
 FREE, PENDING, READY = 0, 1, 2
@@ -29,13 +30,6 @@ FREE, PENDING, READY = 0, 1, 2
 _MAX_COUNT = 0xFFFF
 #: The length of a chunk key, and of each slot's record of its predecessor.
 _KEY_BYTES = 16
-
-
-def _zeros(n: int, dtype: type[np.generic]) -> memoryview:
-    """``n`` zeroed items of ``dtype``, indexed as fast as an ``array.array``: allocated
-    zeroed by the C library, so that the pages of an index of a million slots are touched
-    as chunks arrive, not all while the loop waits for the tier to be registered."""
-    return np.zeros(n, dtype).data
 
 
 class LeaseEpoch:
@@ -152,27 +146,27 @@ class TierIndex:
         self._allocator = SlotAllocator(partition.capacity)
         n = partition.capacity
         self._slots = KeyInts()
-        self._state = _zeros(n, np.uint8)
-        self._pins = _zeros(n, np.uint16)
-        self._hits = _zeros(n, np.uint16) if count_hits else None
+        self._state = zeroed(n, np.uint8)
+        self._pins = zeroed(n, np.uint16)
+        self._hits = zeroed(n, np.uint16) if count_hits else None
         #: The lease epoch in which each slot's chunk was last leased (0: never).
-        self._lease = _zeros(n, np.int32) if epoch is not None else None
+        self._lease = zeroed(n, np.int32) if epoch is not None else None
         #: The namespace each slot's chunk belongs to (the only one that may read it), by
         #: its number in ``_namespaces`` (0: a free slot) …
         self._namespaces = _NamespaceIds()
-        self._namespace = _zeros(n, np.uint32)
+        self._namespace = zeroed(n, np.uint32)
         #: … and, where it is not the same, the share it counts in (a tenant past
         #: ``max_tenants`` counts in the model's share).
         self._other_owner: dict[int, str] = {}
         #: Each slot's chunk's predecessor, as it was stored (see :meth:`reserve`): its
         #: bytes at ``_KEY_BYTES * slot``, where ``_has_parent`` says there is one.
-        self._parent = _zeros(_KEY_BYTES * n, np.uint8)
-        self._has_parent = _zeros(n, np.uint8)
+        self._parent = zeroed(_KEY_BYTES * n, np.uint8)
+        self._has_parent = zeroed(n, np.uint8)
         #: Each slot's chunk's resident successors (chunks naming it as predecessor) and,
         #: for a key no longer resident (dropped, or evicted with the successors it was
         #: passed over for), the resident chunks that still name it: a copy of it stored
         #: again takes no predecessor, since a link from it could close a cycle.
-        self._children = _zeros(n, np.uint32)
+        self._children = zeroed(n, np.uint32)
         self._orphans: dict[ChunkKey, int] = {}
         self._partition = partition
         self._records = self._records_of(self._slots)
@@ -447,12 +441,17 @@ class TierIndex:
     def settle(self) -> None:
         """End a warm restart's :meth:`restore_many` batches: every chunk
         :meth:`begin_restore` took is recorded, and the free slots are known."""
+        for _ in self.settling():
+            pass
+
+    def settling(self) -> Iterator[None]:
+        """:meth:`settle` in steps, yielding between them (see :meth:`SlotAllocator.settling`)."""
         if self._restoring is not None and self._restoring != len(self._slots):
             raise TieredKVError(
                 f"{self.tier}: {self._restoring} chunks restored of the {len(self._slots)} the restart began with"
             )
         self._restoring = None
-        self._allocator.settle()
+        yield from self._allocator.settling()
 
     def hit(self, key: ChunkKey) -> int:
         """Count a hit on a READY chunk; the new hit count (it stops counting at 65535; 0

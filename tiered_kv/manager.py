@@ -499,7 +499,8 @@ class TieredKV:
         while batch := list(itertools.islice(keys, RESTORE_BATCH)):
             self._control.restore(pool, batch, list(itertools.islice(slots, len(batch))))
             await asyncio.sleep(0)
-        self._control.restored(pool)
+        for _ in self._control.settling(pool):
+            await asyncio.sleep(0)
 
     async def _open_drivers(self, base: Namespace, group: int, cpu_slots: int, nvme_slots: int) -> _Drivers:
         chunk_bytes = base.geometry.chunk_bytes(group)

@@ -96,6 +96,7 @@ from tiered_kv.tiers.nvme_journal import (
     recovered_chunks,
     write_record,
 )
+from tiered_kv.zeroed import zeroed
 
 #: Consecutive slots one ``pwritev`` writes at most (each takes two or three iovecs).
 COALESCE_OPS = 256
@@ -235,9 +236,10 @@ class NvmeTier(DriverBase):
         identity = Identity(self._fingerprint, group, slot_bytes)
         self._journal = Journal(dir_fd, directory, identity, num_slots, compact_every)
         #: The slot map: each slot's key, and whether a read may return it (written here,
-        #: or recovered).
-        self._keys = bytearray(num_slots * KEY_BYTES)
-        self._live = bytearray(num_slots)
+        #: or recovered). Zero pages until used: a million slots cost the loop no 17 MB
+        #: of clearing when the tier opens.
+        self._keys = zeroed(num_slots * KEY_BYTES, np.uint8)
+        self._live = zeroed(num_slots, np.uint8)
         #: Key → slot of what reopening restored, until the first change.
         self._recovered: KeyInts | None = KeyInts()
         self._commits: GroupCommit | None = None
@@ -487,7 +489,8 @@ class NvmeTier(DriverBase):
 
     def __repr__(self) -> str:
         mode = "direct" if self.direct else "buffered"
-        return f"<NvmeTier {self.directory} g{self.group} {self._live.count(1)}/{self.num_slots} {mode}>"
+        live = np.count_nonzero(np.frombuffer(self._live, np.uint8))
+        return f"<NvmeTier {self.directory} g{self.group} {live}/{self.num_slots} {mode}>"
 
     def _committer(self) -> GroupCommit:
         assert self._commits is not None, "open() starts the committer"
