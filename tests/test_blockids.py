@@ -22,7 +22,9 @@ def reference(table: list[int], stop: int) -> tuple[int, int, bool]:
 @given(table=st.lists(st.one_of(ids, small_ids), max_size=1200), stop=st.integers(min_value=0, max_value=1300))
 def test_scan_of_a_list_of_ints_is_min_max_and_distinct_of_its_head(table: list[int], stop: int) -> None:
     """Short heads find repeats in a set on the stack, long ones (over 256) on the heap."""
-    assert scan(table, stop) == reference(table, stop)
+    assert scan(table, stop, True) == reference(table, stop)
+    lowest, highest, _ = reference(table, stop)
+    assert scan(table, stop, False) == (lowest, highest, None)  # repeats not looked for
 
 
 class _Int(int):
@@ -42,18 +44,35 @@ def test_scan_refuses_a_table_with_anything_but_machine_ints_anywhere_in_it(
     int beyond 64 bits, anywhere in the list, inside or past ``stop``."""
     table = [*table]
     table.insert(at % (len(table) + 1), odd)  # type: ignore[arg-type]
-    assert scan(table, stop) is None
+    assert scan(table, stop, True) is None and scan(table, stop, False) is None
 
 
 def test_scan_takes_only_a_list_and_a_non_negative_stop() -> None:
-    assert scan((1, 2), 2) is None
-    assert scan(range(3), 2) is None
+    assert scan((1, 2), 2, True) is None
+    assert scan(range(3), 2, True) is None
     with pytest.raises(ValueError, match="at least 0"):
-        scan([1, 2], -1)
+        scan([1, 2], -1, True)
     with pytest.raises(TypeError):
-        scan([1, 2], "1")
+        scan([1, 2], "1", True)
     with pytest.raises(TypeError):
-        scan([1, 2])  # type: ignore[call-arg]
+        scan([1, 2], 2)  # type: ignore[call-arg]
+
+
+def _colliding(n: int) -> list[int]:
+    """``n`` ids that all land in one place of scan's set: multiples of the inverse of its
+    multiplier (a review's reproducer; the set alone took 856 ms for 65,536 of them)."""
+    inverse = pow(0x9E3779B97F4A7C15, -1, 2**64)
+    return [((i * inverse) % 2**64) - (2**64 if (i * inverse) % 2**64 >= 2**63 else 0) for i in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("n", [3, 300, 5000])
+def test_ids_chosen_to_collide_in_the_set_are_still_judged_right(n: int) -> None:
+    """Past a budget of probes the ids are sorted instead: the answer is the same."""
+    ids = _colliding(n)
+    assert scan(ids, n, True) == (min(ids), max(ids), True)
+    repeated = [*ids, ids[n // 2]]
+    assert scan(repeated, n + 1, True) == (min(ids), max(ids), False)
+    assert scan(repeated, n, True) == (min(ids), max(ids), True)  # the repeat is past the head
 
 
 @given(table=st.lists(small_ids, max_size=80), stop=st.integers(min_value=0, max_value=90), holes=st.booleans())

@@ -76,6 +76,22 @@ async def test_a_store_jobs_release_reaches_a_waiter_that_asks_before_or_after_i
     await harness.kv.close()
 
 
+async def test_asking_whether_blocks_are_read_makes_no_future_and_answers_off_the_loop_too() -> None:
+    """``flush_nowait`` and ``finish_request_nowait`` only look (a review found them making
+    each job's future, which raised in a thread without a loop)."""
+    harness = await open_harness(config())
+    harness.gpu.gate.clear()
+    await harness.store(keys_for(2), request_id="r")
+    (job,) = harness.kv._jobs["r"]
+    assert await asyncio.to_thread(harness.kv.flush_nowait) is False
+    assert not harness.kv.flush_nowait([0]) and not harness.kv.finish_request_nowait("r")
+    assert job._waiter is None
+    harness.gpu.gate.set()
+    await harness.kv.finish_request("r")
+    assert harness.kv.flush_nowait() and harness.kv.finish_request_nowait("r")
+    await harness.kv.close()
+
+
 async def test_close_right_after_a_store_releases_its_job_before_its_task_ran() -> None:
     harness = await open_harness(config())
     harness.gpu.gate.clear()

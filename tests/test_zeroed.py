@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
+from tiered_kv.directory import LeaseEpoch, TierIndex
+from tiered_kv.keys import ChunkKey
+from tiered_kv.partition import TierPartition
 from tiered_kv.zeroed import MAPPED_BYTES, zeroed
 
 
@@ -29,3 +34,28 @@ def test_arrays_made_after_others_were_freed_are_zeroed_too() -> None:
         np.frombuffer(used, np.uint32)[:] = 0xFFFFFFFF
         del used
         assert not np.frombuffer(zeroed(4 * MAPPED_BYTES, np.uint32), np.uint32).any()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_writing_its_copy_of_an_index_leaves_the_parents_as_it_was() -> None:
+    """Private memory, as the heap is (a shared mapping let a prefork server's workers
+    write into the parent's index)."""
+    partition = TierPartition("cpu", 1 << 17)
+    partition.add_namespace("m", "lru")
+    index = TierIndex("cpu", partition, LeaseEpoch())
+    keys = [ChunkKey(i.to_bytes(16, "little")) for i in range(4)]
+    index.reserve(keys, "m")
+    index.mark_ready_many(keys)
+    array = zeroed(4 * MAPPED_BYTES, np.uint8)
+    pid = os.fork()
+    if pid == 0:  # the child: change its copies, then leave at once
+        try:
+            index.drop(keys[0])
+            index.reserve([ChunkKey(b"x" * 16)], "m")
+            array[:] = b"\xff" * len(array)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert all(index.is_ready(key) for key in keys)
+    index.check()
+    assert not np.frombuffer(array, np.uint8).any()

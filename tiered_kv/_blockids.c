@@ -3,39 +3,61 @@
  * Every store and load checks the GPU block ids it is given (tiered_kv.arguments): each
  * an integer, inside the registered KV cache, none named twice. Done with Python's
  * min(), max(), set() and a generator over the types, a 16-chunk call of 4 blocks per
- * chunk spent about 5 us on them; scan() takes a few hundred ns. */
+ * chunk spent about 5 us on them; scan() takes a few hundred ns, and O(n log n) at worst
+ * (ids crafted to collide in its set are sorted instead). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-/* A table this long or shorter finds its repeats in a set on the stack. */
+/* A table this long or shorter is checked with buffers on the stack. */
 #define STACK_IDS 256
 
-/* Whether ``value`` was in the open-addressing set ``ids`` (``used`` marks its filled
- * places, ``mask`` + 1 of them, a power of two at least twice the values put in); it is
- * afterwards. */
 static int
-seen_before(long *ids, unsigned char *used, size_t mask, long value)
+compare_ids(const void *a, const void *b)
 {
-    size_t at = (size_t)(((unsigned long long)value * 0x9E3779B97F4A7C15ull) >> 17) & mask;
-    while (used[at]) {
-        if (ids[at] == value)
-            return 1;
-        at = (at + 1) & mask;
+    long x = *(const long *)a, y = *(const long *)b;
+    return (x > y) - (x < y);
+}
+
+/* Whether ``ids[0:n]`` holds a value twice. An open-addressing set (``places``, a power of
+ * two at least 2n, with ``slots`` and ``used`` of that size) finds repeats in O(n) for the
+ * ids an engine hands out; ids chosen to collide in its fixed hash would make that
+ * O(n^2), so past a budget of probes it sorts ``ids`` instead: O(n log n) at worst. */
+static int
+has_repeat(long *ids, Py_ssize_t n, long *slots, unsigned char *used, size_t places)
+{
+    size_t mask = places - 1, budget = 8 * (size_t)n + 64;
+    memset(used, 0, places);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t at = (size_t)(((unsigned long long)ids[i] * 0x9E3779B97F4A7C15ull) >> 17) & mask;
+        while (used[at]) {
+            if (slots[at] == ids[i])
+                return 1;
+            if (budget-- == 0)
+                goto sort;
+            at = (at + 1) & mask;
+        }
+        used[at] = 1;
+        slots[at] = ids[i];
     }
-    used[at] = 1;
-    ids[at] = value;
+    return 0;
+sort:
+    qsort(ids, (size_t)n, sizeof(long), compare_ids);
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (ids[i] == ids[i - 1])
+            return 1;
     return 0;
 }
 
-/* scan(table, stop): ``None`` unless ``table`` is a list whose items are all exactly
- * ``int`` and each fits a C long; else (lowest, highest, distinct) of ``table[:stop]``,
- * ``stop`` clipped to the list, and ``(0, -1, True)`` when that is empty. */
+/* scan(table, stop, repeats): ``None`` unless ``table`` is a list whose items are all
+ * exactly ``int`` and each fits a C long; else (lowest, highest, distinct) of
+ * ``table[:stop]``, ``stop`` clipped to the list, and ``(0, -1, True)`` when that is
+ * empty. ``distinct`` is ``None`` unless ``repeats`` asked for it. */
 static PyObject *
 scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "scan() takes a table and a stop");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "scan() takes a table, a stop and whether to look for repeats");
         return NULL;
     }
     Py_ssize_t stop = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
@@ -45,6 +67,9 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "scan() takes a stop of at least 0");
         return NULL;
     }
+    int repeats = PyObject_IsTrue(args[2]);
+    if (repeats < 0)
+        return NULL;
     PyObject *table = args[0];
     if (!PyList_CheckExact(table))
         Py_RETURN_NONE;
@@ -54,23 +79,23 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     size_t places = 2;
     while (places < 2 * (size_t)stop)
         places *= 2;
-    long stack_ids[2 * STACK_IDS];
+    long stack_ids[STACK_IDS], stack_slots[2 * STACK_IDS];
     unsigned char stack_used[2 * STACK_IDS];
-    long *ids = stack_ids;
+    long *ids = stack_ids, *slots = stack_slots;
     unsigned char *used = stack_used;
-    if (places > 2 * STACK_IDS) {
-        ids = PyMem_Malloc(places * sizeof(long));
-        used = PyMem_Calloc(places, 1);
-        if (ids == NULL || used == NULL) {
+    if (repeats && stop > STACK_IDS) {
+        ids = PyMem_Malloc((size_t)stop * sizeof(long));
+        slots = PyMem_Malloc(places * sizeof(long));
+        used = PyMem_Malloc(places);
+        if (ids == NULL || slots == NULL || used == NULL) {
             PyMem_Free(ids);
+            PyMem_Free(slots);
             PyMem_Free(used);
             return PyErr_NoMemory();
         }
-    } else {
-        memset(used, 0, places);
     }
     long lo = 0, hi = -1;
-    int distinct = 1, simple = 1;
+    int simple = 1;
     /* No Python code runs in the loop (the items are exact ints), so the list cannot change. */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(table, i);
@@ -86,21 +111,24 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             lo = value;
         if (i == 0 || value > hi)
             hi = value;
-        if (distinct && seen_before(ids, used, places - 1, value))
-            distinct = 0;
+        if (repeats)
+            ids[i] = value;
     }
+    int distinct = simple && repeats ? !has_repeat(ids, stop, slots, used, places) : 1;
     if (ids != stack_ids) {
         PyMem_Free(ids);
+        PyMem_Free(slots);
         PyMem_Free(used);
     }
     if (!simple)
         Py_RETURN_NONE;
-    return Py_BuildValue("(llO)", lo, hi, distinct ? Py_True : Py_False);
+    return Py_BuildValue("(llO)", lo, hi, !repeats ? Py_None : distinct ? Py_True : Py_False);
 }
 
 static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
-     "scan(table, stop): (lowest, highest, distinct) of table[:stop], or None unless table is a list of ints"},
+     "scan(table, stop, repeats): (lowest, highest, distinct or None) of table[:stop], or None unless table is a "
+     "list of ints"},
     {NULL, NULL},
 };
 

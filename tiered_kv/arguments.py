@@ -57,7 +57,7 @@ def require_keys(keys: Sequence[Any]) -> None:
 
 def require_block_ids(table: Iterable[Any]) -> list[int]:
     """The block ids as ``int``s (numpy and torch integers too; never ``bool``)."""
-    if scan(table, 0) is not None:  # a list of ints already (in C, without a step per id)
+    if scan(table, 0, False) is not None:  # a list of ints already (in C, without a step per id)
         return table  # type: ignore[return-value]
     table = list(table)  # an iterator is walked twice below
     try:
@@ -84,7 +84,7 @@ def blocks_in_range(table: Sequence[int], stop: int, num_blocks: int, *, holes: 
 def distinct_blocks(table: Sequence[int], stop: int, what: str) -> None:
     """Refuse GPU blocks named twice among ``table[:stop]``, the blocks chunks are copied
     from or into: one block holds one chunk position's tokens."""
-    scanned = scan(table, stop)
+    scanned = scan(table, stop, True)
     if scanned is not None and scanned[2]:
         return
     seen: set[int] = set()
@@ -96,7 +96,7 @@ def distinct_blocks(table: Sequence[int], stop: int, what: str) -> None:
 
 def _bounds(table: Sequence[int], stop: int) -> tuple[int, int]:
     """The lowest and highest of ``table[:stop]``; ``(0, -1)`` when that is empty."""
-    scanned = scan(table, stop)
+    scanned = scan(table, stop, False)
     if scanned is not None:
         return scanned[0], scanned[1]
     head = table[:stop]

@@ -564,7 +564,7 @@ class ControlPlane:
             chunk_keys = group_keys[:whole]
             # Each key with its k blocks (k copies of one iterator, zipped, take k ids a time).
             candidates = list(zip(chunk_keys, zip(*[iter(table[: whole * k])] * k, strict=True), strict=True))
-            lowest, _, distinct = scan(table, whole * k) or (-1, -1, False)
+            lowest, _, distinct = scan(table, whole * k, True) or (-1, -1, False)
             if lowest >= 0 and len(set(chunk_keys)) == whole and not pool.any_resident(chunk_keys):
                 # The usual store: every chunk new, named once, over blocks the engine holds.
                 parents.update(zip(chunk_keys, [None, *chunk_keys], strict=False))  # each the one before it

@@ -538,9 +538,9 @@ class TierIndex:
         slots of the others are free again."""
         if not keys:  # no number for a namespace with no chunk: none would free it
             return
-        insert = self._partition.inserter(owner, len(keys))
         ns = self._namespaces.hold(namespace, len(keys))
         try:
+            insert = self._partition.inserter(owner, len(keys))
             self._records.occupy(keys, slots, ns, state_of_all, parent_of, insert, owner, owner != namespace)
         except BaseException:
             # The keys recorded are the ones now resident (none was before).

@@ -148,22 +148,23 @@ class _StoreJob:
         self.namespace = namespace
         self.rank = namespace.tp_rank
         self.request_id = request_id
-        self._released = False
+        #: No copy of this job reads GPU blocks any more (done, failed or cancelled).
+        self.released = False
         self._waiter: asyncio.Future[None] | None = None
 
     @property
     def gpu_released(self) -> asyncio.Future[None]:
-        """Resolved once no copy of this job reads GPU blocks any more (done, failed or
-        cancelled). Made when first asked for: most jobs finish before anyone waits."""
+        """Resolved once :attr:`released`. Made when first asked for, on the loop: most
+        jobs finish before anyone waits."""
         if self._waiter is None:
             self._waiter = asyncio.get_running_loop().create_future()
-            if self._released:
+            if self.released:
                 self._waiter.set_result(None)
         return self._waiter
 
     def release_gpu(self) -> None:
         """No copy of this job reads GPU blocks any more."""
-        self._released = True
+        self.released = True
         if self._waiter is not None:
             self._waiter.set_result(None)
 
@@ -1241,12 +1242,12 @@ class TieredKV:
         """Return once no store of ``request_id`` still reads the request's GPU blocks."""
         self._check()
         require_request_id(request_id)
-        await self._released([job.gpu_released for job in self._jobs.get(request_id, ())])
+        await self._released([job.gpu_released for job in self._jobs.get(request_id, ()) if not job.released])
 
     def finish_request_nowait(self, request_id: str) -> bool:
         """True when the request's GPU blocks may be freed now (no store reads them)."""
         self._check()
-        return require_request_id(request_id) not in self._jobs
+        return all(job.released for job in self._jobs.get(require_request_id(request_id), ()))
 
     def flush_nowait(self, block_ids: Iterable[int] | None = None, *, namespace: Namespace | None = None) -> bool:
         """True when no store reads any of ``block_ids`` (see :meth:`flush`) now."""
@@ -1257,9 +1258,10 @@ class TieredKV:
         """Return once no store reads any of ``block_ids`` (all blocks when ``None``) of
         ``namespace``'s rank (every registered rank when ``None``)."""
         self._check()
-        await self._released(self._reading(block_ids, namespace))
+        await self._released([job.gpu_released for job in self._reading(block_ids, namespace)])
 
-    def _reading(self, block_ids: Iterable[int] | None, namespace: Namespace | None) -> list[asyncio.Future[None]]:
+    def _reading(self, block_ids: Iterable[int] | None, namespace: Namespace | None) -> list[_StoreJob]:
+        """The store jobs still reading any of ``block_ids`` of ``namespace``'s rank."""
         if namespace is not None:
             require_namespace(namespace)
         if block_ids is not None and not isinstance(block_ids, Iterable):
@@ -1267,10 +1269,11 @@ class TieredKV:
         wanted = None if block_ids is None else frozenset(require_block_ids(block_ids))
         rank = None if namespace is None else (namespace.base.fingerprint_hex, namespace.tp_rank)
         return [
-            job.gpu_released
+            job
             for jobs in self._jobs.values()
             for job in jobs
-            if (rank is None or (job.group.pool.fingerprint, job.rank) == rank)
+            if not job.released
+            and (rank is None or (job.group.pool.fingerprint, job.rank) == rank)
             and (wanted is None or not wanted.isdisjoint(job.blocks))
         ]
 

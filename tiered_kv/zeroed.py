@@ -16,11 +16,14 @@ def zeroed(n: int, dtype: type[np.generic]) -> memoryview:
 
     Mapped anonymously, so the kernel hands out zero pages as they are first touched and
     takes them back when the array goes: a tier of a million slots costs the loop no
-    page when it is registered. (``np.zeros`` does the same only while the C library
-    maps blocks this large anew; once a freed index lowered its threshold, the C library
-    clears such a block from its heap with ``memset``: 10–20 ms at a million slots.)
+    page when it is registered. Private, as heap memory is: a process forked from this
+    one gets its own copy on write, and its changes never reach this one.
+
+    ``np.zeros`` does the same only while the C library maps blocks this large anew; once
+    a freed index lowered its threshold, the C library clears such a block from its heap
+    with ``memset``: 10–20 ms at a million slots.
     """
     size = n * np.dtype(dtype).itemsize
     if size < MAPPED_BYTES:
         return np.zeros(n, dtype).data
-    return np.frombuffer(mmap.mmap(-1, size), dtype).data
+    return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype).data
