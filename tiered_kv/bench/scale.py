@@ -56,6 +56,7 @@ from tiered_kv.keys import KEY_BYTES
 from tiered_kv.layout import KVGeometry, KVGroup
 from tiered_kv.namespace import Namespace
 from tiered_kv.registry import TIERS
+from tiered_kv.zeroed import mapped_bytes
 
 if TYPE_CHECKING:  # torch and the manager load when the section runs, not with the CLI's parser
     import torch
@@ -302,19 +303,21 @@ async def _driver_pass(root: Path, sizes: list[int], progress: Progress) -> list
 
 
 async def _index_bytes(root: Path, capacity: int, cache: list[torch.Tensor], keys: _Keys) -> tuple[TieredKV, float]:
-    """A reopened ``TieredKV`` that has stored once, and the bytes it holds in Python and numpy."""
+    """A reopened ``TieredKV`` that has stored once, and the bytes it holds in Python,
+    numpy and mapped arrays."""
     from tiered_kv.manager import TieredKV
 
     gc.collect()
     tracemalloc.start()
     try:
-        before = tracemalloc.get_traced_memory()[0]
+        before = tracemalloc.get_traced_memory()[0] + mapped_bytes()
         kv = TieredKV(_config(root, capacity))
         await kv.register(NAMESPACE, [cache])
         await kv.store(NAMESPACE, request_id="index", keys=[keys.take(BATCH)], block_ids=[list(range(BATCH))])
         await kv.drain()  # the nvme driver lets go of what it recovered once it has written
         gc.collect()
-        return kv, tracemalloc.get_traced_memory()[0] - before
+        # The per-slot arrays are mappings, which tracemalloc does not see: counted whole.
+        return kv, tracemalloc.get_traced_memory()[0] + mapped_bytes() - before
     finally:
         tracemalloc.stop()
 
