@@ -43,6 +43,7 @@ def test_bench_scale_reports_each_figure_against_its_target(tmp_path: Path, caps
     assert size.driver_bytes_per_chunk == pytest.approx(17 * 10_000 / size.chunks)
     assert size.index_bytes_per_chunk > size.driver_bytes_per_chunk
     assert size.frozen_stall_max_ms >= size.frozen_stall_p99_ms >= 0 and size.frozen_gc_pause_max_ms >= 0
+    assert size.close_stall_max_ms >= 0 and size.reopen_stall_max_ms >= 0
     assert size.bystander_stall_max_ms >= size.bystander_stall_p99_ms >= 0
     assert size.frozen_bystander_stall_max_ms >= size.frozen_bystander_stall_p99_ms >= 0
     bystanders = [

@@ -125,7 +125,8 @@ def _table(figures: ScaleFigures) -> Table:
         + "\n".join(
             f"{size.chunks:,} chunks: longest garbage collection while storing {size.gc_pause_max_ms:.1f} ms "
             f"({size.frozen_gc_pause_max_ms:.1f} ms with the heap frozen), "
-            f"worst stall during the reopen {size.reopen_stall_max_ms:.0f} ms"
+            f"worst stall while closing {size.close_stall_max_ms:.0f} ms, "
+            f"while reopening {size.reopen_stall_max_ms:.0f} ms"
             for size in figures.sizes
         ),
     )
@@ -384,10 +385,12 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
     keys = _Keys()
     rows = []
     async with ticker.running():
-        kv = TieredKV(_config(store, sizes[-1]))
+        first = TieredKV(_config(store, sizes[-1]))
+        kv: TieredKV | None = first
         try:
-            await kv.register(NAMESPACE, [cache])
+            await first.register(NAMESPACE, [cache])
             for i, size in enumerate(sizes):
+                assert kv is not None
                 progress.step(i, len(sizes), f"TieredKV to {size:,} chunks")
                 await ticker.take()
                 await other.take()
@@ -397,6 +400,8 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
                 stall_max, stall_p99, longest_gc = await ticker.take()
                 o_max, o_p99 = await other.take()
                 await kv.close()
+                kv = None  # the manager goes here, its index with it: not inside the reopen
+                close_stall, _, _ = await ticker.take()
                 tiers = _TimedTiers(RegistryTiers())
                 started = time.perf_counter()
                 kv = TieredKV(_config(store, sizes[-1]), tiers=tiers)
@@ -429,6 +434,7 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
                         store_chunks_per_s=rate,
                         reopen_s=reopen_s,
                         reopen_stall_max_ms=reopen_stall,
+                        close_stall_max_ms=close_stall,
                         index_bytes_per_chunk=index_bytes / held,
                         frozen_stall_max_ms=f_max,
                         frozen_stall_p99_ms=f_p99,
@@ -446,7 +452,8 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
                     )
                 )
         finally:
-            await kv.close()
+            if kv is not None:
+                await kv.close()
     progress.step(len(sizes), len(sizes), "done")
     return ScaleFigures(
         chunk_bytes=CHUNK_BYTES,

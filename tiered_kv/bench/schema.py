@@ -155,6 +155,8 @@ class ScaleSize(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     #: ``TieredKV`` and ``register`` of the store (its warm restart), and the worst stall meanwhile.
     reopen_s: float
     reopen_stall_max_ms: float
+    #: The worst stall while the grown manager closed and was let go (its index freed).
+    close_stall_max_ms: float
     index_bytes_per_chunk: float
     #: The same growth in a second store, with the host's heap frozen once the manager was
     #: registered (``gc.freeze()``, as vLLM's engine and workers do after start-up): the
