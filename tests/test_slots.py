@@ -147,3 +147,28 @@ def test_settling_in_steps_hands_out_what_one_settle_does_in_the_same_order(
     one.release_many(out[::3])
     stepped.release_many(out[::3])
     assert stepped.allocate(stepped.free) == one.allocate(one.free)
+
+
+@pytest.mark.parametrize("steps_taken", [0, 1, 2])
+def test_a_settling_stopped_part_way_leaves_the_allocator_refusing_everything(steps_taken: int) -> None:
+    """Its marks are half rewritten: a settle after it would hand claimed slots out again
+    (a review's reproducer: slots 6 and 7 of [1, 6, 7] came back free)."""
+    allocator = SlotAllocator(8)
+    allocator.claim_many([6, 7, 1])
+    steps = allocator.settling(4)
+    for _ in range(steps_taken):
+        next(steps)
+    steps.close()
+    if steps_taken == 0:  # never started: nothing was rewritten, a settle still works
+        allocator.settle()
+        assert allocator.allocate(allocator.free) == [0, 2, 3, 4, 5]
+        return
+    for refused in (
+        allocator.settle,
+        lambda: allocator.allocate(1),
+        lambda: allocator.claim(0),
+        lambda: allocator.release(1),
+        lambda: list(allocator.settling(4)),
+    ):
+        with pytest.raises(TieredKVError, match="stopped part way"):
+            refused()

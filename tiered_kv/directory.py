@@ -450,8 +450,8 @@ class TierIndex:
             raise TieredKVError(
                 f"{self.tier}: {self._restoring} chunks restored of the {len(self._slots)} the restart began with"
             )
-        self._restoring = None
         yield from self._allocator.settling()
+        self._restoring = None
 
     def hit(self, key: ChunkKey) -> int:
         """Count a hit on a READY chunk; the new hit count (it stops counting at 65535; 0

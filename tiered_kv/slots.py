@@ -30,7 +30,7 @@ class SlotAllocator:
     slot in the free list.
     """
 
-    __slots__ = ("_at", "_dtype", "_free", "_top", "_unsettled", "num_slots")
+    __slots__ = ("_at", "_dtype", "_free", "_top", "_torn", "_unsettled", "num_slots")
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 0:
@@ -39,6 +39,8 @@ class SlotAllocator:
         typecode, dtype = ("i", np.int32) if num_slots < 2**31 - 1 else ("q", np.int64)
         self._dtype = dtype
         self._unsettled = False
+        #: A :meth:`settling` was stopped part way: which slots are free is lost.
+        self._torn = False
         #: Slots from here on were never used.
         self._top = 0
         #: Released slots below ``_top``, popped from the end.
@@ -124,9 +126,20 @@ class SlotAllocator:
         """:meth:`settle` ``step`` slots at a time, from the highest down, yielding between
         steps: a warm restart's loop gives the event loop back between them (one pass
         over a million slots holds it for about 5 ms). Nothing may be allocated until
-        the last step is done."""
+        the last step is done; one stopped part way (the generator closed) leaves the
+        allocator unusable, since the marks it rewrote no longer tell claimed slots from
+        never-used ones."""
+        self._require_whole()
         if not self._unsettled:
             return
+        settled = False
+        try:
+            yield from self._settle_steps(step)
+            settled = True
+        finally:
+            self._torn = not settled
+
+    def _settle_steps(self, step: int) -> Iterator[None]:
         at = np.frombuffer(self._at, dtype=self._dtype)
         old_top, top = self._top, None
         pieces: list[bytes] = []
@@ -170,5 +183,10 @@ class SlotAllocator:
             at[slot] = len(free)
 
     def _require_settled(self) -> None:
+        self._require_whole()
         if self._unsettled:
             raise TieredKVError("slots were claimed in bulk: settle() first")
+
+    def _require_whole(self) -> None:
+        if self._torn:
+            raise TieredKVError("a settle was stopped part way: which slots are free is lost")

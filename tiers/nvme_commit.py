@@ -35,6 +35,10 @@ class _Cancelled(TierIOError):
     """What a ``sync`` waiting on a commit hears when the committing task was cancelled."""
 
 
+def _closed(records: bytes) -> None:
+    raise TierIOError("the journal's committer is closed", tier="nvme")
+
+
 class GroupCommit:
     """Records gathered on the loop and committed by ``commit(records)`` in ``pool``
     once per ``window_s``; construct inside a running loop, :meth:`close` when done."""
@@ -122,6 +126,10 @@ class GroupCommit:
             await asyncio.wait([task])  # its own end; a cancellation of this close still raises
             if not task.cancelled() and (error := task.exception()) is not None:
                 log.warning("nvme.committer_failed", committer=self._name, error=repr(error))
+            # The ended task's traceback holds this object in a cycle, which keeps it until a
+            # collection: let go of the driver's commit (its bound method, and with it the
+            # driver and its slot map) now.
+            self._commit = _closed
         if cancelled:
             raise asyncio.CancelledError
 

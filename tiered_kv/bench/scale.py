@@ -389,6 +389,7 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
         kv: TieredKV | None = first
         try:
             await first.register(NAMESPACE, [cache])
+            del first  # kv alone holds it: each row's close lets its manager go
             for i, size in enumerate(sizes):
                 assert kv is not None
                 progress.step(i, len(sizes), f"TieredKV to {size:,} chunks")
