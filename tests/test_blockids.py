@@ -83,11 +83,20 @@ def test_blocks_in_range_refuses_exactly_the_ids_of_the_head_outside_the_cache(
     for tried in (table, [*table, 2**70]):  # the C path, and Python's for an int past 64 bits
         ids = require_block_ids(tried)
         bad = [b for b in ids[:stop] if b >= num_blocks or (b < 0 and not holes)]
+        head = ids[:stop]
+        repeat = next((b for i, b in enumerate(head) if b in head[:i]), None)
         if bad:
             with pytest.raises(BlockTableError, match=f"GPU block {bad[0]} is outside"):
                 blocks_in_range(ids, stop, num_blocks, holes=holes)
+            with pytest.raises(BlockTableError, match=f"GPU block {bad[0]} is outside"):  # bounds first
+                blocks_in_range(ids, stop, num_blocks, holes=holes, distinct="to be loaded")
         else:
             blocks_in_range(ids, stop, num_blocks, holes=holes)
+            if repeat is None:
+                blocks_in_range(ids, stop, num_blocks, holes=holes, distinct="to be loaded")
+            else:  # the same pass refuses repeats when asked, as distinct_blocks names them
+                with pytest.raises(BlockTableError, match=f"GPU block {repeat} appears in two chunks to be loaded"):
+                    blocks_in_range(ids, stop, num_blocks, holes=holes, distinct="to be loaded")
 
 
 @given(table=st.lists(st.integers(min_value=0, max_value=40), max_size=60), stop=st.integers(min_value=0, max_value=70))

@@ -70,15 +70,24 @@ def require_block_ids(table: Iterable[Any]) -> list[int]:
     return ids
 
 
-def blocks_in_range(table: Sequence[int], stop: int, num_blocks: int, *, holes: bool = False) -> None:
+def blocks_in_range(
+    table: Sequence[int], stop: int, num_blocks: int, *, holes: bool = False, distinct: str | None = None
+) -> None:
     """Refuse block ids among ``table[:stop]`` (ids from :func:`require_block_ids`) that the
     registered KV cache does not have; with ``holes``, negative ids (blocks the engine no
-    longer holds, which are not copied) pass."""
-    lowest, highest = _bounds(table, stop)
-    if highest < num_blocks and (holes or lowest >= 0):
-        return
-    bad = next(block for block in table[:stop] if block >= num_blocks or (block < 0 and not holes))
-    raise BlockTableError(f"GPU block {bad} is outside the registered KV cache's {num_blocks} blocks")
+    longer holds, which are not copied) pass. With ``distinct``, refuse repeats too, as
+    :func:`distinct_blocks` does (in the same pass over the ids)."""
+    scanned = scan(table, stop, distinct is not None)
+    if scanned is not None:
+        lowest, highest, unique = scanned
+    else:
+        head = table[:stop]
+        lowest, highest, unique = (min(head), max(head), None) if head else (0, -1, True)
+    if highest >= num_blocks or (lowest < 0 and not holes):
+        bad = next(block for block in table[:stop] if block >= num_blocks or (block < 0 and not holes))
+        raise BlockTableError(f"GPU block {bad} is outside the registered KV cache's {num_blocks} blocks")
+    if distinct is not None and not unique:
+        distinct_blocks(table, stop, distinct)
 
 
 def distinct_blocks(table: Sequence[int], stop: int, what: str) -> None:
@@ -92,15 +101,6 @@ def distinct_blocks(table: Sequence[int], stop: int, what: str) -> None:
         if block in seen:
             raise BlockTableError(f"GPU block {block} appears in two chunks {what}")
         seen.add(block)
-
-
-def _bounds(table: Sequence[int], stop: int) -> tuple[int, int]:
-    """The lowest and highest of ``table[:stop]``; ``(0, -1)`` when that is empty."""
-    scanned = scan(table, stop, False)
-    if scanned is not None:
-        return scanned[0], scanned[1]
-    head = table[:stop]
-    return (min(head), max(head)) if head else (0, -1)
 
 
 def _is_sequence(value: object) -> TypeGuard[Sequence[Any]]:

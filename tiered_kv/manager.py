@@ -38,7 +38,6 @@ import torch
 
 from tiered_kv.arguments import (
     blocks_in_range,
-    distinct_blocks,
     per_group,
     require_block_ids,
     require_keys,
@@ -602,8 +601,7 @@ class TieredKV:
                     require_keys(plan.keys)
                     gpu = self._drivers[pool.id].gpus[namespace.tp_rank]
                     filled = sum(map(len, plan.blocks))  # the blocks the plan fills lead the table
-                    blocks_in_range(table, filled, gpu.num_slots)
-                    distinct_blocks(table, filled, "to be loaded")
+                    blocks_in_range(table, filled, gpu.num_slots, distinct="to be loaded")
             except (SpanError, BlockTableError) as exc:
                 reason = "span" if isinstance(exc, SpanError) else "block_table"
                 self._telemetry.loads_rejected[reason] += 1
@@ -1242,7 +1240,7 @@ class TieredKV:
         """Return once no store of ``request_id`` still reads the request's GPU blocks."""
         self._check()
         require_request_id(request_id)
-        await self._released([job.gpu_released for job in self._jobs.get(request_id, ()) if not job.released])
+        await self._released(self._jobs.get(request_id, ()))
 
     def finish_request_nowait(self, request_id: str) -> bool:
         """True when the request's GPU blocks may be freed now (no store reads them)."""
@@ -1258,7 +1256,7 @@ class TieredKV:
         """Return once no store reads any of ``block_ids`` (all blocks when ``None``) of
         ``namespace``'s rank (every registered rank when ``None``)."""
         self._check()
-        await self._released([job.gpu_released for job in self._reading(block_ids, namespace)])
+        await self._released(self._reading(block_ids, namespace))
 
     def _reading(self, block_ids: Iterable[int] | None, namespace: Namespace | None) -> list[_StoreJob]:
         """The store jobs still reading any of ``block_ids`` of ``namespace``'s rank."""
@@ -1277,9 +1275,10 @@ class TieredKV:
             and (wanted is None or not wanted.isdisjoint(job.blocks))
         ]
 
-    async def _released(self, waiting: list[asyncio.Future[None]]) -> None:
-        """Wait for stores to stop reading GPU blocks; the caller's cancellation does not
-        cancel the stores."""
+    async def _released(self, jobs: Iterable[_StoreJob]) -> None:
+        """Wait for ``jobs`` to stop reading GPU blocks (a future only for those still
+        reading); the caller's cancellation does not cancel the stores."""
+        waiting = [job.gpu_released for job in jobs if not job.released]
         if len(waiting) == 1:
             await asyncio.shield(waiting[0])
         elif waiting:

@@ -147,11 +147,8 @@ class TierPartition:
     def insert(self, namespace: str, key: ChunkKey, parent: ChunkKey | None = None) -> None:
         """Count ``key`` (continuing ``parent``, see :class:`~tiered_kv.interfaces.CachePolicy`)
         as held by ``namespace``; the tier must have a free slot."""
-        share = self._share(namespace)
-        if self._used >= self.capacity:
-            raise PolicyError(f"tier {self.tier} is full ({self.capacity} chunks); make room first")
-        share.policy.insert(key, parent)
-        self._used += 1
+        self.inserter(namespace, 1)(key, parent)
+        self.count_inserted(1)
 
     def inserter(self, namespace: str, n: int) -> Callable[[ChunkKey, ChunkKey | None], None]:
         """``namespace``'s policy's ``insert``, for a caller that inserts ``n`` keys one by

@@ -142,8 +142,7 @@ class SlotAllocator:
     def _settle_steps(self, step: int) -> Iterator[None]:
         at = np.frombuffer(self._at, dtype=self._dtype)
         old_top, top = self._top, None
-        pieces: list[bytes] = []
-        listed = 0
+        free_list = array.array(self._free.typecode)  # filled a step at a time, in place at the end
         for stop in range(self.num_slots, 0, -step):
             start = max(0, stop - step)
             marks = at[start:stop]
@@ -161,11 +160,10 @@ class SlotAllocator:
                 marks[top - start :] = _TAKEN
             free = np.flatnonzero(~taken)[::-1] + start
             marks[: len(taken)] = _TAKEN
-            at[free] = np.arange(listed + 1, listed + free.size + 1)
-            pieces.append(free.astype(self._dtype).tobytes())
-            listed += free.size
+            at[free] = np.arange(len(free_list) + 1, len(free_list) + free.size + 1)
+            free_list.frombytes(free.astype(self._dtype).data.cast("B"))
             yield
-        self._free = array.array(self._free.typecode, b"".join(pieces))
+        self._free = free_list
         self._top = top or 0
         self._unsettled = False
 

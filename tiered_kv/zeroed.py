@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
 import mmap
-import threading
 import weakref
 
 import numpy as np
@@ -12,15 +12,11 @@ import numpy as np
 #: and a mapping per array of a small tier would spend the process's mappings.
 MAPPED_BYTES = 1 << 16
 
-#: Bytes of the mapped arrays alive (``tracemalloc`` sees numpy's heap arrays, not
-#: mappings), counted under a lock: arrays are made and freed in driver threads too.
-_mapped = [0]
-_counting = threading.Lock()
-
-
-def _count(size: int) -> None:
-    with _counting:
-        _mapped[0] += size
+#: The bytes of each mapped array alive, by a number of its own (``tracemalloc`` sees
+#: numpy's heap arrays, not mappings). Arrays are made and freed in driver threads too:
+#: a dict's single steps need no lock.
+_mapped: dict[int, int] = {}
+_numbers = itertools.count()
 
 
 def zeroed(n: int, dtype: type[np.generic]) -> memoryview:
@@ -39,12 +35,13 @@ def zeroed(n: int, dtype: type[np.generic]) -> memoryview:
     if size < MAPPED_BYTES:
         return np.zeros(n, dtype).data
     array = np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype)
-    _count(size)
-    weakref.finalize(array, _count, -size)
+    number = next(_numbers)
+    _mapped[number] = size
+    weakref.finalize(array, _mapped.pop, number, None)
     return array.data
 
 
 def mapped_bytes() -> int:
     """Bytes of the arrays :func:`zeroed` mapped that are still alive, touched or not (what
     ``tracemalloc`` counts of a heap array): for a measure of memory, beside its figure."""
-    return _mapped[0]
+    return sum(_mapped.values())
