@@ -1,9 +1,14 @@
 """The cpu tier: the contract, page-aligned zero-copy slot views, pinning, slabs over a
-foreign (shared) buffer."""
+foreign (shared) buffer, and its memory given back at close without holding the loop."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import mmap
+import os
+import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -12,8 +17,9 @@ import torch
 from tiered_kv.errors import ConfigError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.testing import TierDriverContract
+from tiered_kv.tiers import pinned_cpu
 from tiered_kv.tiers._driver import PAGE
-from tiered_kv.tiers.pinned_cpu import PinnedCpuTier, aligned_empty
+from tiered_kv.tiers.pinned_cpu import VIEWS_PER_STEP, PinnedCpuTier, aligned_empty
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -122,3 +128,64 @@ async def test_with_cuda_a_shared_mapping_is_page_locked_until_close() -> None:
     assert tier.pinned and tier.view(3).is_pinned()
     await tier.close()
     assert not buffer.is_pinned()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_DONTNEED") or not os.path.exists("/proc/self/statm"), reason="Linux")
+async def test_closing_gives_the_slabs_pages_back_while_the_tier_and_its_views_are_held() -> None:
+    """Regression: the slab was freed with the tier's last reference, wherever that was
+    dropped, which for the manager is the event loop: 0.1 s per GiB of touched pages
+    (64 MiB: 5 ms in ``bench scale``; a 100 GiB tier: about 10 s)."""
+    tier = PinnedCpuTier(slot_bytes=1 << 20, num_slots=64, pin=False)
+    held = tier.view(7)
+    for slot in range(64):
+        tier.view(slot).fill_(slot + 1)
+    before = _resident_bytes()
+    await tier.close()
+    assert before - _resident_bytes() >= 48 << 20
+    # Still valid memory: the pages come back as zeros when touched
+    assert int(held.sum()) == 0 and int(tier.view(3).sum()) == 0
+
+
+async def test_a_shared_buffer_keeps_its_bytes_after_close() -> None:
+    mapping = mmap.mmap(-1, 4 * PAGE)
+    tier = PinnedCpuTier(slot_bytes=PAGE, num_slots=4, buffer=torch.frombuffer(mapping, dtype=torch.uint8))
+    tier.view(2).fill_(9)
+    await tier.close()
+    assert mapping[2 * PAGE : 3 * PAGE] == bytes([9]) * PAGE
+
+
+async def test_close_gives_the_pages_back_from_another_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[int] = []
+    discard = pinned_cpu._discard_pages
+
+    def recorded(address: int, nbytes: int) -> None:
+        threads.append(threading.get_ident())
+        discard(address, nbytes)
+
+    monkeypatch.setattr(pinned_cpu, "_discard_pages", recorded)
+    tier = PinnedCpuTier(slot_bytes=PAGE, num_slots=8, pin=False)
+    await tier.close()
+    assert len(threads) == 1 and threads[0] != threading.get_ident()
+
+
+async def test_close_lets_the_views_go_a_step_at_a_time_and_the_loop_runs_between() -> None:
+    """The views of a tier of many slots are let go in steps, with other tasks run in
+    between: a tensor takes a fraction of a µs to free, and a tier may have 100k+ slots."""
+    slots = 3 * VIEWS_PER_STEP + 5
+    tier = PinnedCpuTier(slot_bytes=PAGE, num_slots=slots, pin=False)
+    watched = [weakref.ref(tier.view(slot)) for slot in (0, slots - 1)]
+    turns = 0
+    closing = asyncio.ensure_future(tier.close())
+    while not closing.done():
+        turns += 1
+        await asyncio.sleep(0)
+    await closing
+    gc.collect()
+    assert turns >= 4  # the discard in a thread, then a turn per step of views
+    assert all(ref() is None for ref in watched)  # the tier, still held, holds no view
+    assert tier.view(1).data_ptr() % PAGE == 0  # and makes them again, as valid memory
