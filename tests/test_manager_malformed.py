@@ -15,6 +15,7 @@ import tempfile
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from conftest import make_namespace
@@ -35,7 +36,7 @@ from tiered_kv import (
 )
 from tiered_kv.arguments import require_keys
 from tiered_kv.config import RemoteTierConfig
-from tiered_kv.errors import ChunkKeyError
+from tiered_kv.errors import BlockTableError, ChunkKeyError
 from tiered_kv.testing.valkey_server import ValkeyServer
 
 __all__ = ["valkey"]  # fixture
@@ -73,7 +74,11 @@ def key_lists(draw: Any) -> Any:
 
 
 def block_tables(draw: Any) -> Any:
-    shape = draw(st.sampled_from(["ok", "ok", "groups", "flat", "not-a-list", "duplicates"]))
+    shape = draw(
+        st.sampled_from(
+            ["ok", "ok", "groups", "flat", "not-a-list", "duplicates", "array", "tensor", "matrix", "bytes"]
+        )
+    )
     table = draw(st.lists(any_block, min_size=0, max_size=6 * K))
     if shape == "groups":
         return [table, table]
@@ -81,6 +86,15 @@ def block_tables(draw: Any) -> Any:
         return table
     if shape == "not-a-list":
         return draw(st.sampled_from([None, 5, "blocks"]))
+    if shape in ("array", "tensor"):  # as engines keep block tables: any integer dtype, or not
+        ids = draw(st.lists(st.integers(-8, 2 * NUM_BLOCKS), min_size=0, max_size=6 * K))
+        dtype = draw(st.sampled_from(["int64", "int32", "uint8", "float32", "bool"]))
+        array = np.array(ids).astype(dtype)
+        return [array if shape == "array" else torch.from_numpy(array)]
+    if shape == "matrix":
+        return [np.arange(4 * K).reshape(2, 2 * K)]
+    if shape == "bytes":
+        return [bytes(range(16, 16 + 4 * K))]
     if shape == "duplicates":
         return [[16] * (4 * K)]
     return [table]
@@ -116,7 +130,8 @@ async def malformed_call(kv: TieredKV, data: Any) -> None:
         elif kind == "finish":
             await kv.finish_request(data.draw(st.sampled_from(["s", "never-seen", 7, None])))
         else:
-            await kv.flush(data.draw(st.sampled_from([None, [1, 2], [1.5], "blocks", [10**9]])), namespace=namespace)
+            flushed = data.draw(st.sampled_from([None, [1, 2], [1.5], "blocks", [10**9], b"\x01\x02", np.arange(3)]))
+            await kv.flush(flushed, namespace=namespace)
     except TieredKVError:
         pass
 
@@ -224,3 +239,55 @@ def test_a_key_of_a_bytes_subclass_is_refused_with_a_message_that_names_why() ->
 
     with pytest.raises(ChunkKeyError, match=r"got a Key \(a subclass of bytes\) of 16 bytes"):
         require_keys([Key(16)])
+
+
+@pytest.mark.parametrize("make", [np.array, torch.tensor, lambda ids: np.array(ids, dtype=np.int32)])
+async def test_block_tables_as_engines_keep_them_numpy_or_torch_store_and_load_like_lists(make: Any) -> None:
+    """Regression (adversarial test): a group's block table as a numpy array or a torch
+    tensor was refused with "block_ids must be one list per KV group (1), got 1 items",
+    which names neither the group nor the type, while ``flush`` took the same arrays."""
+    cache = engine_cache(NUM_BLOCKS)
+    kv = TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 8)))
+    await kv.register(NS, [cache])
+    result = await kv.store(NS, request_id="s", keys=[GOOD_KEYS], block_ids=[make(list(range(16)))])
+    assert result.submitted == 4
+    await kv.flush(make([0, 1]), namespace=NS)
+    await kv.finish_request("s")
+    dest = list(range(16, 32))
+    assert (
+        await kv.load(NS, request_id="l", keys=[GOOD_KEYS], block_ids=[make(dest)], num_tokens=4 * CHUNK) == 4 * CHUNK
+    )
+    assert same_blocks(cache, range(16), dest)
+    await kv.close()
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (np.arange(16).reshape(2, 8), r"block_ids\[0\] must be 1-D, got a ndarray of shape \(2, 8\)"),
+        (torch.zeros(4, 4, dtype=torch.int64), r"block_ids\[0\] must be 1-D, got a Tensor of shape \(4, 4\)"),
+        ({1, 2, 3}, r"block_ids\[0\] must be a list, a 1-D numpy array or a 1-D torch tensor, got set"),
+        (np.arange(16, dtype=np.float32), r"a block id must be an integer, got float"),
+        (np.ones(16, dtype=bool), r"a block id must be an integer, got (a )?bool"),
+    ],
+)
+async def test_a_block_table_that_is_no_list_of_ids_is_refused_with_a_message_that_names_it(
+    table: Any, message: str
+) -> None:
+    kv = TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 8)))
+    await kv.register(NS, [engine_cache(NUM_BLOCKS)])
+    with pytest.raises(BlockTableError, match=message):
+        await kv.store(NS, request_id="s", keys=[GOOD_KEYS], block_ids=[table])
+    await kv.close()
+
+
+@pytest.mark.parametrize("blocks", [b"\x01\x02", bytearray(b"\x01"), "12"])
+async def test_flush_refuses_bytes_and_strings_rather_than_reading_them_as_block_ids(blocks: Any) -> None:
+    """Regression (adversarial test): ``flush(b"\\x01\\x02")`` waited for blocks 1 and 2."""
+    kv = TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 8)))
+    await kv.register(NS, [engine_cache(NUM_BLOCKS)])
+    with pytest.raises(BlockTableError, match="must be integers or None"):
+        await kv.flush(blocks)
+    with pytest.raises(BlockTableError, match="must be integers or None"):
+        kv.flush_nowait(blocks)
+    await kv.close()

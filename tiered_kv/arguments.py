@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
+
+import numpy as np
 
 from tiered_kv._blockids import scan
 from tiered_kv.errors import BlockTableError, ChunkKeyError, NamespaceError, RequestError, TieredKVError
 from tiered_kv.keys import KEY_BYTES
 from tiered_kv.namespace import Namespace
+
+if TYPE_CHECKING:
+    import torch
 
 
 def require_namespace(value: object) -> Namespace:
@@ -32,9 +37,12 @@ def require_request_id(value: object) -> str:
     return value
 
 
-def per_group(value: object, groups: int, what: str, error: type[TieredKVError]) -> Sequence[Sequence[Any]]:
+def per_group(
+    value: object, groups: int, what: str, error: type[TieredKVError], *, arrays: bool = False
+) -> Sequence[Sequence[Any]]:
     """``value`` as one sequence per KV group: ``groups`` sequences (none of them a string
-    or bytes, which are sequences too)."""
+    or bytes, which are sequences too). With ``arrays``, a group may also be a 1-D numpy
+    array or torch tensor (engines keep block tables so), taken as its list of values."""
     if type(value) is list and len(value) == groups:  # the common case, without the ABC checks below
         if groups == 1:
             if type(value[0]) is list:
@@ -43,9 +51,22 @@ def per_group(value: object, groups: int, what: str, error: type[TieredKVError])
             return value
     if not _is_sequence(value):
         raise error(f"{what} must be one list per KV group ({groups}), got {type(value).__name__}")
-    if len(value) != groups or not all(_is_sequence(item) for item in value):
+    if len(value) != groups:
         raise error(f"{what} must be one list per KV group ({groups}), got {len(value)} items")
-    return value
+    if all(_is_sequence(item) for item in value):
+        return value
+    return [_group(item, i, what, error, arrays) for i, item in enumerate(value)]
+
+
+def _group(item: object, i: int, what: str, error: type[TieredKVError], arrays: bool) -> Sequence[Any]:
+    if _is_sequence(item):
+        return item
+    if arrays and _is_array(item):
+        if item.ndim != 1:
+            raise error(f"{what}[{i}] must be 1-D, got a {type(item).__name__} of shape {tuple(item.shape)}")
+        return item.tolist()
+    kinds = "a list, a 1-D numpy array or a 1-D torch tensor" if arrays else "a list"
+    raise error(f"{what}[{i}] must be {kinds}, got {type(item).__name__}")
 
 
 def require_keys(keys: Sequence[Any]) -> None:
@@ -105,6 +126,16 @@ def distinct_blocks(table: Sequence[int], stop: int, what: str) -> None:
 
 def _is_sequence(value: object) -> TypeGuard[Sequence[Any]]:
     return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
+
+
+def _is_array(value: object) -> TypeGuard[np.ndarray[Any, Any] | torch.Tensor]:
+    """A numpy array or a torch tensor (torch is imported only when asked: the CLI's
+    commands that make no call run without it)."""
+    if isinstance(value, np.ndarray):
+        return True
+    import torch
+
+    return isinstance(value, torch.Tensor)
 
 
 def _is_index(value: object) -> bool:

@@ -588,7 +588,10 @@ class TieredKV:
         pools = self._pools_of(namespace)
         require_request_id(request_id)
         per_group(keys, len(pools), "keys", ChunkKeyError)
-        tables = [require_block_ids(table) for table in per_group(block_ids, len(pools), "block_ids", BlockTableError)]
+        tables = [
+            require_block_ids(table)
+            for table in per_group(block_ids, len(pools), "block_ids", BlockTableError, arrays=True)
+        ]
         # Events of this load, in the promotions it starts too, carry the request and namespace.
         with bound_to_call(request_id=request_id, namespace=namespace.fingerprint_hex):
             started = self._clock()
@@ -960,7 +963,8 @@ class TieredKV:
         require_request_id(request_id)
         copies = [list(group_keys) for group_keys in per_group(keys, len(pools), "keys", ChunkKeyError)]
         tables = [
-            list(require_block_ids(table)) for table in per_group(block_ids, len(pools), "block_ids", BlockTableError)
+            list(require_block_ids(table))
+            for table in per_group(block_ids, len(pools), "block_ids", BlockTableError, arrays=True)
         ]
         for pool, group_keys, table in zip(pools, copies, tables, strict=True):
             require_keys(group_keys)
@@ -1262,7 +1266,9 @@ class TieredKV:
         """The store jobs still reading any of ``block_ids`` of ``namespace``'s rank."""
         if namespace is not None:
             require_namespace(namespace)
-        if block_ids is not None and not isinstance(block_ids, Iterable):
+        if block_ids is not None and (
+            not isinstance(block_ids, Iterable) or isinstance(block_ids, str | bytes | bytearray)
+        ):
             raise BlockTableError(f"block_ids must be integers or None, got {type(block_ids).__name__}")
         wanted = None if block_ids is None else frozenset(require_block_ids(block_ids))
         rank = None if namespace is None else (namespace.base.fingerprint_hex, namespace.tp_rank)
