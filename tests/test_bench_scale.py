@@ -39,6 +39,15 @@ def test_bench_scale_reports_each_figure_against_its_target(tmp_path: Path, caps
     for check in size.checks:
         assert check.met == (check.value <= check.target if check.at_most else check.value >= check.target)
     assert size.store_chunks_per_s > 0 and size.driver_store_chunks_per_s > 0
+    # The driver alone paced at TieredKV's rate: a sleep never wakes early, so it cannot
+    # have gone faster than asked (but for the first call of each request).
+    assert 0 < size.paced_driver_chunks_per_s <= 1.1 * size.store_chunks_per_s
+    assert size.paced_driver_stall_max_ms >= size.paced_driver_stall_p99_ms >= 0
+    stalls = {check.figure: check.driver for check in size.checks}
+    assert (
+        stalls["p99 stall (ms)"] == f"{size.driver_stall_p99_ms:.2f}; {size.paced_driver_stall_p99_ms:.2f} at its rate"
+    )
+    assert "paced at the rate TieredKV stored" in table
     assert 0 < size.driver_reopen_s <= size.reopen_s
     assert size.driver_bytes_per_chunk == pytest.approx(17 * 10_000 / size.chunks)
     assert size.index_bytes_per_chunk > size.driver_bytes_per_chunk

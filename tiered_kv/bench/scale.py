@@ -24,9 +24,11 @@ such a host sees.
 
 The ticker alone first, for a second: the stalls the machine itself causes an idle loop.
 Where the time goes: the same growth with the nvme driver alone (same batches, same
-concurrency, no manager) gives the driver's rate and stalls; the reopen's driver part is
-the nvme driver's ``open``; the driver's part of the index is its slot map. The rest is
-the manager's (residency index, policy, scheduler, cpu and gpu drivers).
+concurrency, no manager) gives the driver's rate and stalls, as fast as it goes and again
+paced at the rate ``TieredKV`` stored (its stalls at the same load: a worker thread's call
+per batch, as ``TieredKV``'s write-through makes); the reopen's driver part is the nvme
+driver's ``open``; the driver's part of the index is its slot map. The rest is the
+manager's (residency index, policy, scheduler, cpu and gpu drivers).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ import tracemalloc
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.report import Progress, Table
@@ -72,6 +76,8 @@ MAX_STALL_MS, P99_STALL_MS, REOPEN_S, CHUNKS_PER_S, BYTES_PER_CHUNK = 5.0, 1.0, 
 IDLE_S = 1.0
 #: Chunks the cpu tier holds: enough for what is being written behind, not the tier.
 CPU_CHUNKS = 16384
+#: Chunks the nvme driver alone writes per size at the rate ``TieredKV`` stored.
+PACED_CHUNKS = 50_000
 
 NAMESPACE = Namespace(
     model_id="bench/scale",
@@ -118,6 +124,8 @@ def _table(figures: ScaleFigures) -> Table:
         headers=["chunks", "figure", "measured", "target", "", "nvme driver alone / its part", "other process"],
         rows=rows,
         note="stalls: how late a 1 ms sleep of the event loop wakes; timings on a shared machine are noisy\n"
+        "nvme driver alone, on the stall rows: as fast as it goes; then paced at the rate TieredKV stored "
+        f"(at most {PACED_CHUNKS:,} chunks)\n"
         "other process: the stalls of a loop in another process that only ticks, during the same growth "
         "(what this machine does to any loop under this load)\n"
         f"the idle loop on this machine, same run: max {figures.idle_stall_max_ms:.1f} ms, "
@@ -248,19 +256,28 @@ async def _grow(kv: TieredKV, target: int, keys: _Keys) -> None:
         await kv.drain()
 
 
-async def _grow_driver(tier: Any, start: int, target: int, buffers: Sequence[torch.Tensor], keys: _Keys) -> None:
-    """What :func:`_grow` asks of the nvme driver, without the manager: same batches."""
+async def _grow_driver(
+    tier: Any, start: int, target: int, buffers: Sequence[torch.Tensor], keys: _Keys, rate: float | None = None
+) -> None:
+    """What :func:`_grow` asks of the nvme driver, without the manager: same batches and
+    concurrency; as fast as it goes, or ``rate`` chunks per second (each request starts a
+    call every ``REQUESTS * BATCH / rate`` s, the requests spread over that period)."""
     next_slot = start
+    period = 0.0 if rate is None else REQUESTS * BATCH / rate
 
-    async def request(buffer: torch.Tensor) -> None:
+    async def request(r: int, buffer: torch.Tensor) -> None:
         nonlocal next_slot
         views = [buffer[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES] for i in range(BATCH)]
+        due = time.perf_counter() + period * r / REQUESTS
         while next_slot < target:
+            if (wait := due - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+            due += period
             first, next_slot = next_slot, min(next_slot + BATCH, target)
             batch = zip(views, keys.take(next_slot - first), range(first, next_slot), strict=False)
             await tier.write([TransferOp(buffer=view, key=key, slot=slot) for view, key, slot in batch])
 
-    await asyncio.gather(*(request(buffer) for buffer in buffers))
+    await asyncio.gather(*(request(r, buffer) for r, buffer in enumerate(buffers)))
     await tier.sync()
 
 
@@ -274,8 +291,13 @@ def _check(
     )
 
 
-async def _driver_pass(root: Path, sizes: list[int], progress: Progress) -> list[tuple[float, float, float]]:
-    """Per size: the nvme driver alone growing a store to it, ``(chunks/s, max, p99 stall)``."""
+async def _driver_pass(
+    root: Path, sizes: list[int], progress: Progress, rates: Sequence[float] | None = None
+) -> list[tuple[float, float, float]]:
+    """Per size: the nvme driver alone growing a store to it, ``(chunks/s, max, p99 stall)``.
+    With ``rates``, each size's growth is paced at its rate and writes at most
+    ``PACED_CHUNKS`` chunks: the stalls the driver's I/O path alone gives the loop at the
+    rate ``TieredKV`` stored."""
     import torch
 
     opener = TIERS.get("nvme").open  # type: ignore[attr-defined]
@@ -288,15 +310,18 @@ async def _driver_pass(root: Path, sizes: list[int], progress: Progress) -> list
     try:
         async with ticker.running():
             done = 0
-            for size in sizes:
-                progress.step(len(out), len(sizes), f"nvme driver alone to {size:,} chunks")
+            for i, size in enumerate(sizes):
+                rate = None if rates is None else rates[i]
+                target = size if rate is None else min(size, done + PACED_CHUNKS)
+                pace = "" if rate is None else f", {rate:,.0f} chunks/s"
+                progress.step(i, len(sizes), f"nvme driver alone to {target:,} chunks{pace}")
                 await ticker.take()
                 started = time.perf_counter()
-                await _grow_driver(tier, done, size, buffers, keys)
-                rate = (size - done) / (time.perf_counter() - started)
+                await _grow_driver(tier, done, target, buffers, keys, rate)
+                achieved = (target - done) / (time.perf_counter() - started)
                 stall_max, stall_p99, _ = await ticker.take()
-                out.append((rate, stall_max, stall_p99))
-                done = size
+                out.append((achieved, stall_max, stall_p99))
+                done = target
     finally:
         await tier.close()
         del buffers
@@ -383,7 +408,7 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
     store = root / "store"
     ticker = _Ticker()
     keys = _Keys()
-    rows = []
+    rows: list[_Grown] = []
     async with ticker.running():
         first = TieredKV(_config(store, sizes[-1]))
         kv: TieredKV | None = first
@@ -412,22 +437,8 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
                 held = _nvme_chunks(kv)
                 await kv.close()
                 kv, index_bytes = await _index_bytes(store, sizes[-1], cache, keys)
-                slot_map = (KEY_BYTES + 1) * sizes[-1] / held
-                d_rate, d_max, d_p99 = driver[i]
-                f_max, f_p99, f_gc, fo_max, fo_p99 = frozen[i]
-                checks = [
-                    _check("max stall (ms)", stall_max, MAX_STALL_MS, at_most=True, driver=f"{d_max:.2f}", other=o_max),
-                    _check("p99 stall (ms)", stall_p99, P99_STALL_MS, at_most=True, driver=f"{d_p99:.2f}", other=o_p99),
-                    _check("max stall, heap frozen (ms)", f_max, MAX_STALL_MS, at_most=True, driver="", other=fo_max),
-                    _check("p99 stall, heap frozen (ms)", f_p99, P99_STALL_MS, at_most=True, driver="", other=fo_p99),
-                    _check("chunks/s stored", rate, CHUNKS_PER_S, at_most=False, driver=f"{d_rate:,.0f}"),
-                    _check("reopen (s)", reopen_s, REOPEN_S, at_most=True, driver=f"{tiers.nvme_s:.3f}"),
-                    _check(
-                        "index B/chunk", index_bytes / held, BYTES_PER_CHUNK, at_most=True, driver=f"{slot_map:.1f}"
-                    ),
-                ]
                 rows.append(
-                    ScaleSize(
+                    _Grown(
                         chunks=held,
                         stall_max_ms=stall_max,
                         stall_p99_ms=stall_p99,
@@ -437,24 +448,17 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
                         reopen_stall_max_ms=reopen_stall,
                         close_stall_max_ms=close_stall,
                         index_bytes_per_chunk=index_bytes / held,
-                        frozen_stall_max_ms=f_max,
-                        frozen_stall_p99_ms=f_p99,
-                        frozen_gc_pause_max_ms=f_gc,
                         bystander_stall_max_ms=o_max,
                         bystander_stall_p99_ms=o_p99,
-                        frozen_bystander_stall_max_ms=fo_max,
-                        frozen_bystander_stall_p99_ms=fo_p99,
-                        driver_stall_max_ms=d_max,
-                        driver_stall_p99_ms=d_p99,
-                        driver_store_chunks_per_s=d_rate,
                         driver_reopen_s=tiers.nvme_s,
-                        driver_bytes_per_chunk=slot_map,
-                        checks=checks,
+                        driver_bytes_per_chunk=(KEY_BYTES + 1) * sizes[-1] / held,
                     )
                 )
         finally:
             if kv is not None:
                 await kv.close()
+    paced = await _driver_pass(root / "paced", sizes, progress, [row.store_chunks_per_s for row in rows])
+    await asyncio.to_thread(shutil.rmtree, root / "paced", ignore_errors=True)
     progress.step(len(sizes), len(sizes), "done")
     return ScaleFigures(
         chunk_bytes=CHUNK_BYTES,
@@ -462,5 +466,72 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
         batch_chunks=BATCH,
         idle_stall_max_ms=idle_max,
         idle_stall_p99_ms=idle_p99,
-        sizes=rows,
+        sizes=[_size(*measured) for measured in zip(rows, frozen, driver, paced, strict=True)],
     )
+
+
+class _Grown(msgspec.Struct, frozen=True, kw_only=True):
+    """What one size's growth, close and reopen of a ``TieredKV`` measured."""
+
+    chunks: int
+    stall_max_ms: float
+    stall_p99_ms: float
+    gc_pause_max_ms: float
+    store_chunks_per_s: float
+    reopen_s: float
+    reopen_stall_max_ms: float
+    close_stall_max_ms: float
+    index_bytes_per_chunk: float
+    bystander_stall_max_ms: float
+    bystander_stall_p99_ms: float
+    driver_reopen_s: float
+    driver_bytes_per_chunk: float
+
+
+def _size(
+    grown: _Grown,
+    frozen: tuple[float, float, float, float, float],
+    driver: tuple[float, float, float],
+    paced: tuple[float, float, float],
+) -> ScaleSize:
+    """One size's figures, and each checked against its target."""
+    g = grown
+    d_rate, d_max, d_p99 = driver
+    p_rate, p_max, p_p99 = paced
+    f_max, f_p99, f_gc, fo_max, fo_p99 = frozen
+    o_max, o_p99 = g.bystander_stall_max_ms, g.bystander_stall_p99_ms
+    checks = [
+        _check("max stall (ms)", g.stall_max_ms, MAX_STALL_MS, at_most=True, driver=_stalls(d_max, p_max), other=o_max),
+        _check("p99 stall (ms)", g.stall_p99_ms, P99_STALL_MS, at_most=True, driver=_stalls(d_p99, p_p99), other=o_p99),
+        _check("max stall, heap frozen (ms)", f_max, MAX_STALL_MS, at_most=True, driver="", other=fo_max),
+        _check("p99 stall, heap frozen (ms)", f_p99, P99_STALL_MS, at_most=True, driver="", other=fo_p99),
+        _check("chunks/s stored", g.store_chunks_per_s, CHUNKS_PER_S, at_most=False, driver=f"{d_rate:,.0f}"),
+        _check("reopen (s)", g.reopen_s, REOPEN_S, at_most=True, driver=f"{g.driver_reopen_s:.3f}"),
+        _check(
+            "index B/chunk",
+            g.index_bytes_per_chunk,
+            BYTES_PER_CHUNK,
+            at_most=True,
+            driver=f"{g.driver_bytes_per_chunk:.1f}",
+        ),
+    ]
+    return ScaleSize(
+        **msgspec.structs.asdict(g),
+        frozen_stall_max_ms=f_max,
+        frozen_stall_p99_ms=f_p99,
+        frozen_gc_pause_max_ms=f_gc,
+        frozen_bystander_stall_max_ms=fo_max,
+        frozen_bystander_stall_p99_ms=fo_p99,
+        driver_stall_max_ms=d_max,
+        driver_stall_p99_ms=d_p99,
+        driver_store_chunks_per_s=d_rate,
+        paced_driver_stall_max_ms=p_max,
+        paced_driver_stall_p99_ms=p_p99,
+        paced_driver_chunks_per_s=p_rate,
+        checks=checks,
+    )
+
+
+def _stalls(flat_out: float, paced: float) -> str:
+    """The driver column of a stall row: as fast as it goes, then at ``TieredKV``'s rate."""
+    return f"{flat_out:.2f}; {paced:.2f} at its rate"

@@ -175,6 +175,12 @@ class ScaleSize(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     driver_stall_max_ms: float
     driver_stall_p99_ms: float
     driver_store_chunks_per_s: float
+    #: The nvme driver alone again, paced at the rate ``TieredKV`` stored at this size (at
+    #: most ``PACED_CHUNKS`` chunks): the stalls its I/O path alone gives the loop at that
+    #: rate, and the rate it kept.
+    paced_driver_stall_max_ms: float
+    paced_driver_stall_p99_ms: float
+    paced_driver_chunks_per_s: float
     #: The nvme driver's ``open`` within the reopen, and its slot map's bytes per chunk.
     driver_reopen_s: float
     driver_bytes_per_chunk: float
