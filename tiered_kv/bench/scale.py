@@ -47,8 +47,6 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import ScaleCheck, ScaleFigures, ScaleSize
@@ -408,7 +406,8 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
     store = root / "store"
     ticker = _Ticker()
     keys = _Keys()
-    rows: list[_Grown] = []
+    #: Per size, the ScaleSize fields this growth, close and reopen measured.
+    rows: list[dict[str, Any]] = []
     async with ticker.running():
         first = TieredKV(_config(store, sizes[-1]))
         kv: TieredKV | None = first
@@ -438,7 +437,7 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
                 await kv.close()
                 kv, index_bytes = await _index_bytes(store, sizes[-1], cache, keys)
                 rows.append(
-                    _Grown(
+                    dict(
                         chunks=held,
                         stall_max_ms=stall_max,
                         stall_p99_ms=stall_p99,
@@ -457,7 +456,7 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
         finally:
             if kv is not None:
                 await kv.close()
-    paced = await _driver_pass(root / "paced", sizes, progress, [row.store_chunks_per_s for row in rows])
+    paced = await _driver_pass(root / "paced", sizes, progress, [row["store_chunks_per_s"] for row in rows])
     await asyncio.to_thread(shutil.rmtree, root / "paced", ignore_errors=True)
     progress.step(len(sizes), len(sizes), "done")
     return ScaleFigures(
@@ -470,53 +469,36 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
     )
 
 
-class _Grown(msgspec.Struct, frozen=True, kw_only=True):
-    """What one size's growth, close and reopen of a ``TieredKV`` measured."""
-
-    chunks: int
-    stall_max_ms: float
-    stall_p99_ms: float
-    gc_pause_max_ms: float
-    store_chunks_per_s: float
-    reopen_s: float
-    reopen_stall_max_ms: float
-    close_stall_max_ms: float
-    index_bytes_per_chunk: float
-    bystander_stall_max_ms: float
-    bystander_stall_p99_ms: float
-    driver_reopen_s: float
-    driver_bytes_per_chunk: float
-
-
 def _size(
-    grown: _Grown,
+    grown: dict[str, Any],
     frozen: tuple[float, float, float, float, float],
     driver: tuple[float, float, float],
     paced: tuple[float, float, float],
 ) -> ScaleSize:
-    """One size's figures, and each checked against its target."""
-    g = grown
+    """One size's figures (``grown``: those of its growth, close and reopen), each checked
+    against its target."""
     d_rate, d_max, d_p99 = driver
     p_rate, p_max, p_p99 = paced
     f_max, f_p99, f_gc, fo_max, fo_p99 = frozen
-    o_max, o_p99 = g.bystander_stall_max_ms, g.bystander_stall_p99_ms
+    o_max, o_p99 = grown["bystander_stall_max_ms"], grown["bystander_stall_p99_ms"]
+    top, p99 = grown["stall_max_ms"], grown["stall_p99_ms"]
     checks = [
-        _check("max stall (ms)", g.stall_max_ms, MAX_STALL_MS, at_most=True, driver=_stalls(d_max, p_max), other=o_max),
-        _check("p99 stall (ms)", g.stall_p99_ms, P99_STALL_MS, at_most=True, driver=_stalls(d_p99, p_p99), other=o_p99),
+        _check("max stall (ms)", top, MAX_STALL_MS, at_most=True, driver=_stalls(d_max, p_max), other=o_max),
+        _check("p99 stall (ms)", p99, P99_STALL_MS, at_most=True, driver=_stalls(d_p99, p_p99), other=o_p99),
         _check("max stall, heap frozen (ms)", f_max, MAX_STALL_MS, at_most=True, driver="", other=fo_max),
         _check("p99 stall, heap frozen (ms)", f_p99, P99_STALL_MS, at_most=True, driver="", other=fo_p99),
-        _check("chunks/s stored", g.store_chunks_per_s, CHUNKS_PER_S, at_most=False, driver=f"{d_rate:,.0f}"),
-        _check("reopen (s)", g.reopen_s, REOPEN_S, at_most=True, driver=f"{g.driver_reopen_s:.3f}"),
+        _check("chunks/s stored", grown["store_chunks_per_s"], CHUNKS_PER_S, at_most=False, driver=f"{d_rate:,.0f}"),
+        _check("reopen (s)", grown["reopen_s"], REOPEN_S, at_most=True, driver=f"{grown['driver_reopen_s']:.3f}"),
         _check(
             "index B/chunk",
-            g.index_bytes_per_chunk,
+            grown["index_bytes_per_chunk"],
             BYTES_PER_CHUNK,
             at_most=True,
-            driver=f"{g.driver_bytes_per_chunk:.1f}",
+            driver=f"{grown['driver_bytes_per_chunk']:.1f}",
         ),
     ]
     return ScaleSize(
-        **msgspec.structs.asdict(g),
+        **grown,
         frozen_stall_max_ms=f_max,
         frozen_stall_p99_ms=f_p99,
         frozen_gc_pause_max_ms=f_gc,
