@@ -259,6 +259,35 @@ async def test_close_closes_every_driver_even_when_one_fails_then_raises() -> No
     assert all(tier._closed for made in tiers.made.values() for tier in made)
 
 
+class RecordedClose(NullTiers):
+    """Drivers that note, in one list, the order in which they close."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed: list[str] = []
+
+    def _make(self, name: str, slot_bytes: int, num_slots: int) -> NullTier:
+        tier = super()._make(name, slot_bytes, num_slots)
+        inner_close = tier.close
+
+        async def close() -> None:
+            self.closed.append(name)
+            await inner_close()
+
+        tier.close = close  # type: ignore[method-assign]
+        return tier
+
+
+async def test_the_cpu_tier_closes_after_every_driver_that_copies_through_its_slots() -> None:
+    """Its close gives its slab's pages back (they read zeros after): the nvme and remote
+    drivers read and write its slots, so they close first."""
+    tiers = RecordedClose()
+    kv = TieredKV(config(), tiers=tiers)
+    await kv.register(NS, gpu_tensors())
+    await kv.close()
+    assert tiers.closed == ["gpu", "nvme", "cpu"]
+
+
 async def test_a_deadline_on_close_does_not_leave_drivers_open() -> None:
     tiers = FailingClose(fail=set())
     kv = TieredKV(config(), tiers=tiers)

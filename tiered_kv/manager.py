@@ -112,8 +112,10 @@ class _Drivers:
         self.gpus: dict[int, TierDriver] = {}
 
     def stores(self) -> list[TierDriver]:
-        """The drivers that keep chunks (all but the GPU ones)."""
-        return [self.cpu, *([self.nvme] if self.nvme else []), *([self.remote] if self.remote else [])]
+        """The drivers that keep chunks (all but the GPU ones), in the order they close:
+        the cpu tier last, since the others copy to and from its slots, and closing it
+        gives its slab's pages back."""
+        return [*([self.nvme] if self.nvme else []), *([self.remote] if self.remote else []), self.cpu]
 
 
 #: How many times a shutdown step that a host's cancel-all ended before it began is started.
