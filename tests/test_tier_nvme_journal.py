@@ -352,20 +352,29 @@ def test_a_slot_map_file_is_read_whole_in_pieces(tmp_path: Path, size: int) -> N
         os.close(dir_fd)
 
 
-async def test_the_event_loop_runs_between_the_steps_of_building_a_recovered_map_in_a_driver_thread() -> None:
-    """Regression: a warm restart built the key → slot map of its chunks in the driver's
-    thread in steps that hold the interpreter lock, and the event loop's thread got the
-    lock back only when the interpreter forced a switch (every 5 ms): tens of stalls of
-    5 ms and more while a million chunks came back. Here the interpreter never forces a
-    switch; the loop must still run at every step."""
-    steps = 32
+def _slot_map(steps: int) -> nvme_journal.SlotMap:
+    """A slot map whose key → slot map is built in ``steps`` steps."""
     n = steps * nvme_journal._STEP
     rng = np.random.default_rng(0)
     records = np.zeros(n, dtype=nvme_journal.RECORD)
     records["slot"] = np.arange(n)
     records["live"] = 1
     records["key"] = np.frombuffer(rng.bytes(n * 16), dtype="V16")
-    found = nvme_journal.replay(records, n)
+    return nvme_journal.replay(records, n)
+
+
+async def test_the_event_loop_runs_between_the_steps_of_building_a_recovered_map_in_a_driver_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: a warm restart built the key → slot map of its chunks in the driver's
+    thread in steps that hold the interpreter lock, and the event loop's thread got the
+    lock back only when the interpreter forced a switch (every 5 ms): tens of stalls of
+    5 ms and more while a million chunks came back. Here the interpreter never forces a
+    switch, and the lock is handed over after every step; the loop must run at every step."""
+    monkeypatch.setattr(nvme_journal, "HAND_OVER_EVERY_S", 0.0)
+    steps = 32
+    n = steps * nvme_journal._STEP
+    found = _slot_map(steps)
     working, done = threading.Event(), threading.Event()
     ticks = 0
 
@@ -391,3 +400,17 @@ async def test_the_event_loop_runs_between_the_steps_of_building_a_recovered_map
     finally:
         sys.setswitchinterval(interval)
     assert ticks >= steps // 2, f"the loop ran {ticks} times during {steps} steps"
+
+
+@pytest.mark.parametrize(("every_s", "hand_overs"), [(0.0, 8), (1e9, 0)])
+def test_the_lock_is_handed_over_once_the_work_since_the_last_hand_over_took_its_time(
+    monkeypatch: pytest.MonkeyPatch, every_s: float, hand_overs: int
+) -> None:
+    """Each hand-over costs the driver thread a sleep (a million chunks, a step of 2,048
+    each, slept 0.15 s on the development VM): it comes after ``HAND_OVER_EVERY_S`` of
+    work, not after every step."""
+    calls: list[None] = []
+    monkeypatch.setattr(nvme_journal, "HAND_OVER_EVERY_S", every_s)
+    monkeypatch.setattr(nvme_journal, "hand_over", lambda: calls.append(None))
+    assert len(nvme_journal.recovered_chunks(_slot_map(8))) == 8 * nvme_journal._STEP
+    assert len(calls) == hand_overs

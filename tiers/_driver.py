@@ -38,6 +38,9 @@ PAGE = 4096
 #: How long a driver thread steps aside between steps of work that holds the interpreter
 #: lock (see :func:`hand_over`).
 HAND_OVER_S = 1e-4
+#: How much such work a driver thread does between two hand-overs: each costs it a sleep
+#: of 0.1-0.3 ms, and the loop's thread waits for the lock up to about this long.
+HAND_OVER_EVERY_S = 1e-3
 
 #: errno values that mean "the medium has no room left".
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
