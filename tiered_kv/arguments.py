@@ -62,11 +62,40 @@ def _group(item: object, i: int, what: str, error: type[TieredKVError], arrays: 
     if _is_sequence(item):
         return item
     if arrays and _is_array(item):
-        if item.ndim != 1:
-            raise error(f"{what}[{i}] must be 1-D, got a {type(item).__name__} of shape {tuple(item.shape)}")
-        return item.tolist()
+        return _array_ids(item, f"{what}[{i}]", error)
     kinds = "a list, a 1-D numpy array or a 1-D torch tensor" if arrays else "a list"
     raise error(f"{what}[{i}] must be {kinds}, got {type(item).__name__}")
+
+
+def require_flushed_blocks(value: object) -> list[int]:
+    """``flush``'s block ids: any iterable of integers, or a 1-D integer array, as a
+    list; never a string or bytes-like object, whose characters are no block ids."""
+    if _is_array(value):
+        return require_block_ids(_array_ids(value, "block_ids", BlockTableError))
+    if not isinstance(value, Iterable) or isinstance(value, _NOT_IDS):
+        raise BlockTableError(f"block_ids must be integers or None, got {type(value).__name__}")
+    return require_block_ids(value)
+
+
+def _array_ids(array: np.ndarray[Any, Any] | torch.Tensor, what: str, error: type[TieredKVError]) -> list[int]:
+    """A 1-D integer array's values: a numpy array, or a strided torch tensor on the CPU
+    (``tolist`` of a GPU tensor would wait for the device on the event loop)."""
+    if array.ndim != 1:
+        raise error(f"{what} must be 1-D, got a {type(array).__name__} of shape {tuple(array.shape)}")
+    if isinstance(array, np.ndarray):
+        if array.dtype.kind not in "iu":
+            raise error(f"{what} must hold integers, got an array of {array.dtype}")
+    else:
+        import torch
+
+        if array.layout is not torch.strided or array.device.type != "cpu":
+            raise error(f"{what} must be a tensor on the CPU, got one on {array.device} ({array.layout})")
+        if array.dtype not in {getattr(torch, name) for name in _TORCH_INTEGERS if hasattr(torch, name)}:
+            raise error(f"{what} must hold integers, got a tensor of {array.dtype}")
+    try:
+        return array.tolist()
+    except Exception as exc:  # a tensor kind torch cannot read out
+        raise error(f"{what} cannot be read as block ids: {exc}") from None
 
 
 def require_keys(keys: Sequence[Any]) -> None:
@@ -80,14 +109,14 @@ def require_block_ids(table: Iterable[Any]) -> list[int]:
     """The block ids as ``int``s (numpy and torch integers too; never ``bool``)."""
     if scan(table, 0, False) is not None:  # a list of ints already (in C, without a step per id)
         return table  # type: ignore[return-value]
-    table = list(table)  # an iterator is walked twice below
-    try:
-        ids = [operator.index(block) for block in table]
-    except TypeError:
-        bad = next(block for block in table if not _is_index(block))
-        raise BlockTableError(f"a block id must be an integer, got {_describe(bad)}") from None
-    if any(type(block) is bool for block in table):
-        raise BlockTableError("a block id must be an integer, got a bool")
+    ids = []
+    for block in table:
+        if type(block) is bool:
+            raise BlockTableError("a block id must be an integer, got a bool")
+        try:
+            ids.append(operator.index(block))
+        except Exception:  # TypeError, or what a broken __index__ raises
+            raise BlockTableError(f"a block id must be an integer, got {_describe(block)}") from None
     return ids
 
 
@@ -124,8 +153,15 @@ def distinct_blocks(table: Sequence[int], stop: int, what: str) -> None:
         seen.add(block)
 
 
+#: torch's integer dtypes (the unsigned ones past uint8 are in newer releases only).
+_TORCH_INTEGERS = ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+
+#: Sequences whose items are characters or bytes, not the items a call lists.
+_NOT_IDS = (str, bytes, bytearray, memoryview)
+
+
 def _is_sequence(value: object) -> TypeGuard[Sequence[Any]]:
-    return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
+    return isinstance(value, Sequence) and not isinstance(value, _NOT_IDS)
 
 
 def _is_array(value: object) -> TypeGuard[np.ndarray[Any, Any] | torch.Tensor]:
@@ -136,14 +172,6 @@ def _is_array(value: object) -> TypeGuard[np.ndarray[Any, Any] | torch.Tensor]:
     import torch
 
     return isinstance(value, torch.Tensor)
-
-
-def _is_index(value: object) -> bool:
-    try:
-        operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return True
 
 
 def _describe(value: object) -> str:

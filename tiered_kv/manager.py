@@ -40,6 +40,7 @@ from tiered_kv.arguments import (
     blocks_in_range,
     per_group,
     require_block_ids,
+    require_flushed_blocks,
     require_keys,
     require_namespace,
     require_request_id,
@@ -1268,11 +1269,7 @@ class TieredKV:
         """The store jobs still reading any of ``block_ids`` of ``namespace``'s rank."""
         if namespace is not None:
             require_namespace(namespace)
-        if block_ids is not None and (
-            not isinstance(block_ids, Iterable) or isinstance(block_ids, str | bytes | bytearray)
-        ):
-            raise BlockTableError(f"block_ids must be integers or None, got {type(block_ids).__name__}")
-        wanted = None if block_ids is None else frozenset(require_block_ids(block_ids))
+        wanted = None if block_ids is None else frozenset(require_flushed_blocks(block_ids))
         rank = None if namespace is None else (namespace.base.fingerprint_hex, namespace.tp_rank)
         return [
             job

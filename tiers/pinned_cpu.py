@@ -73,18 +73,21 @@ def _unregister(data_ptr: int) -> None:
 
 
 def _discard_pages(address: int, nbytes: int) -> None:
-    """Give the pages of ``nbytes`` from page-aligned ``address`` back to the system; they
-    read as zeros from then on. Called in a thread: ``ctypes`` lets go of the interpreter
-    lock for the call, and the kernel takes about 0.1 s per GiB to free them. Where the
-    platform has no ``MADV_DONTNEED``, or the call fails, the pages go when the slab is
-    freed, as before."""
+    """Give the system's pages that lie wholly within the ``nbytes`` from ``address`` back
+    to it; they read as zeros from then on. Whole pages of the system's size, which may
+    be larger than the 4 KiB the slab is aligned to (64 KiB on some arm64 kernels): a
+    page shared with memory past the slab is left alone. Called in a thread: ``ctypes``
+    lets go of the interpreter lock for the call, and the kernel takes about 0.1 s per
+    GiB to free them. Where the platform has no ``MADV_DONTNEED``, or the call fails, the
+    pages go when the slab is freed, as before."""
     advice = getattr(mmap, "MADV_DONTNEED", None)
-    if advice is None:
+    start, end = round_up(address, mmap.PAGESIZE), (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if advice is None or end <= start:
         return
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(address, nbytes, advice) != 0:
-        log.warning("cpu.pages_kept", bytes=nbytes, errno=ctypes.get_errno())
+    if libc.madvise(start, end - start, advice) != 0:
+        log.warning("cpu.pages_kept", bytes=end - start, errno=ctypes.get_errno())
 
 
 def _check_slab(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -142,6 +145,8 @@ class PinnedCpuTier(DriverBase):
         #: loads ask for one per chunk, write-behind again).
         self._views: list[torch.Tensor | None] = [None] * num_slots
         self._executor = worker_pool("cpu", COPY_WORKERS)
+        #: Done once a close has run its course (a second close waits for it).
+        self._closing: asyncio.Future[None] | None = None
         log.debug(
             "cpu.opened",
             slots=num_slots,
@@ -152,7 +157,9 @@ class PinnedCpuTier(DriverBase):
         )
 
     def view(self, slot: int) -> torch.Tensor:
-        """Slot ``slot`` as a zero-copy, page-aligned ``uint8`` tensor of ``slot_bytes``."""
+        """Slot ``slot`` as a zero-copy, page-aligned ``uint8`` tensor of ``slot_bytes``;
+        :class:`TierClosedError` once the tier is closed (its pages may be gone)."""
+        self._check_open()
         if outside(slot, self.num_slots):
             raise ValueError(f"slot {slot} is outside this tier's {self.num_slots} slots")
         view = self._views[slot]
@@ -191,22 +198,49 @@ class PinnedCpuTier(DriverBase):
         it, a 100 GiB slab would hold that thread, the loop's, for about 10 s), and the
         slot views are let go ``VIEWS_PER_STEP`` per turn of the loop.
 
-        Views stay valid memory (while referenced) but are no longer page-locked; those of
-        the tier's own slab read zeros from now on. A shared buffer keeps its bytes: other
-        processes may use them."""
-        if self._closed:
+        Views handed out stay valid memory (while referenced) but are no longer
+        page-locked; those of the tier's own slab read zeros from now on. A shared buffer
+        keeps its bytes: other processes may use them. A host's cancel-all cancels this
+        close too: each step is seen through, and the cancellation raised at the end; a
+        second close waits for the first one's end."""
+        if self._closing is not None:
+            await asyncio.shield(self._closing)
             return
         self._closed = True
-        await shutdown(self._executor)
+        self._closing = asyncio.get_running_loop().create_future()
+        cancelled = False
+        try:
+            for step in (self._stop_copies, self._give_pages_back, self._let_views_go):
+                try:
+                    await step()
+                except asyncio.CancelledError:
+                    cancelled = True
+        finally:
+            self._closing.set_result(None)
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def _stop_copies(self) -> None:
+        await shutdown(self._executor)  # cancelled or not, its threads have ended when it returns
         if self.pinned:
             self._unpin()
+
+    async def _give_pages_back(self) -> None:
         if not self.shared:
             await settle(asyncio.get_running_loop().run_in_executor(None, _discard_pages, *self._slab))
-        views, self._views = self._views, [None] * self.num_slots
+
+    async def _let_views_go(self) -> None:
+        views, self._views = self._views, []
+        cancelled = False
         while views:
             del views[-VIEWS_PER_STEP:]
             if views:
-                await asyncio.sleep(0)
+                try:
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError:
+                    cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
 
     def __repr__(self) -> str:
         return (
