@@ -41,8 +41,9 @@ def per_group(
     value: object, groups: int, what: str, error: type[TieredKVError], *, arrays: bool = False
 ) -> Sequence[Sequence[Any]]:
     """``value`` as one sequence per KV group: ``groups`` sequences (none of them a string
-    or bytes, which are sequences too). With ``arrays``, a group may also be a 1-D numpy
-    array or torch tensor (engines keep block tables so), taken as its list of values."""
+    or bytes, which are sequences too). With ``arrays``, a group may also be a 1-D integer
+    numpy array or CPU torch tensor (engines keep block tables so), taken as its list of
+    values (see :func:`_array_ids`)."""
     if type(value) is list and len(value) == groups:  # the common case, without the ABC checks below
         if groups == 1:
             if type(value[0]) is list:
