@@ -158,6 +158,15 @@ async def test_a_shared_buffer_keeps_its_bytes_after_close() -> None:
     assert mapping[2 * PAGE : 3 * PAGE] == bytes([9]) * PAGE
 
 
+async def test_close_unlocks_a_page_locked_slab_from_another_thread() -> None:
+    """``cudaHostUnregister`` of a slab of tens of GiB takes the driver time: not on the loop."""
+    threads: list[int] = []
+    tier = PinnedCpuTier(slot_bytes=PAGE, num_slots=8, pin=False)
+    tier.pinned, tier._unpin = True, lambda: threads.append(threading.get_ident())  # as CUDA would
+    await tier.close()
+    assert len(threads) == 1 and threads[0] != threading.get_ident()
+
+
 async def test_close_gives_the_pages_back_from_another_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     threads: list[int] = []
     discard = pinned_cpu._discard_pages

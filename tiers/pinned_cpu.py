@@ -222,8 +222,8 @@ class PinnedCpuTier(DriverBase):
 
     async def _stop_copies(self) -> None:
         await shutdown(self._executor)  # cancelled or not, its threads have ended when it returns
-        if self.pinned:
-            self._unpin()
+        if self.pinned:  # unlocking a slab of tens of GiB takes the driver time: off the loop
+            await settle(asyncio.get_running_loop().run_in_executor(None, self._unpin))
 
     async def _give_pages_back(self) -> None:
         if not self.shared:
