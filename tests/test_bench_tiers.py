@@ -43,7 +43,8 @@ def test_bench_tiers_reports_each_path_against_its_limit(tmp_path: Path, capsys:
     for figure in figures:
         assert figure["chunk_bytes"] == 1 << 20
         assert figure["gbps"] > 0 and figure["limit_gbps"] > 0 and figure["limit"]
-        assert figure["ratio"] == pytest.approx(figure["gbps"] / figure["limit_gbps"], rel=0.01)
+        # Each figure is reported rounded (the ratio to three places: at 0.0235, 2% off).
+        assert figure["ratio"] == pytest.approx(figure["gbps"] / figure["limit_gbps"], rel=0.01, abs=5e-4)
     assert list(tmp_path.iterdir()) == [out], "the bench leaves no disk files behind"
 
 
