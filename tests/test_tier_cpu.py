@@ -217,6 +217,21 @@ async def test_a_cancelled_close_still_gives_the_pages_and_the_views_back() -> N
     await tier.close()  # a second close returns at once
 
 
+async def test_a_close_cancelled_while_the_copies_end_still_unlocks_the_slab() -> None:
+    """Regression (review): the unlock came after the wait for the copy threads in one
+    step, so a cancellation there skipped it, and the discard that follows fails on
+    locked pages."""
+    unlocked: list[None] = []
+    tier = PinnedCpuTier(slot_bytes=PAGE, num_slots=8, pin=False)
+    tier.pinned, tier._unpin = True, lambda: unlocked.append(None)  # as CUDA would
+    closing = asyncio.ensure_future(tier.close())
+    await asyncio.sleep(0)  # it waits for the copy threads to end
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert unlocked == [None]
+
+
 async def test_a_second_close_returns_once_the_first_has_given_everything_back() -> None:
     tier = PinnedCpuTier(slot_bytes=PAGE, num_slots=2 * VIEWS_PER_STEP, pin=False)
     held = tier.view(0)

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from tiered_kv.errors import TierError, TierFullError, TierIOError
@@ -62,6 +62,21 @@ async def settle(future: asyncio.Future[T], abort: Callable[[], object] | None =
         if not future.cancelled():
             future.exception()  # retrieved: the cancellation is what the caller hears about
         raise
+
+
+async def see_through(steps: Iterable[Callable[[], Awaitable[object]]]) -> None:
+    """Await each of ``steps`` in turn, a cancellation meanwhile cutting none of them
+    short (each step sees its own wait through, as :func:`settle` does) and none of the
+    rest skipped; the cancellation is raised once the last step is done. For a driver's
+    ``close``, which a host's cancel-all cancels with everything else."""
+    cancelled = False
+    for step in steps:
+        try:
+            await step()
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def hand_over() -> None:
@@ -347,9 +362,15 @@ async def in_threads(pool: WorkerPool, fn: Callable[..., T], calls: Sequence[tup
     return cast("list[T]", batch.results)
 
 
+async def off_loop(fn: Callable[..., object], *args: object) -> None:
+    """``fn(*args)`` in the loop's default executor, awaited as :func:`settle` awaits: a
+    step of a driver's ``open`` or ``close`` that takes time and must not be left half done."""
+    await settle(asyncio.get_running_loop().run_in_executor(None, fn, *args))
+
+
 async def shutdown(pool: WorkerPool) -> None:
     """Shut ``pool`` down after the work already submitted to it has finished."""
-    await settle(asyncio.get_running_loop().run_in_executor(None, pool.shutdown))
+    await off_loop(pool.shutdown)
 
 
 def tier_error(tier: str, what: str, exc: BaseException) -> TierError:

@@ -25,7 +25,7 @@ import asyncio
 import ctypes
 import mmap
 import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,9 +40,10 @@ from tiered_kv.tiers._driver import (
     check_buffer,
     check_slots,
     in_threads,
+    off_loop,
     outside,
     round_up,
-    settle,
+    see_through,
     shutdown,
     split,
     thread_parts,
@@ -208,39 +209,23 @@ class PinnedCpuTier(DriverBase):
             return
         self._closed = True
         self._closing = asyncio.get_running_loop().create_future()
-        cancelled = False
+        views, self._views = self._views, []
+
+        async def let_views_go() -> None:
+            del views[-VIEWS_PER_STEP:]
+            await asyncio.sleep(0)
+
+        # The copies end first (shutdown waits for its threads, cancelled or not).
+        steps: list[Callable[[], Awaitable[object]]] = [lambda: shutdown(self._executor)]
+        if self.pinned:  # unlocking a slab of tens of GiB takes the driver time: off the loop
+            steps.append(lambda: off_loop(self._unpin))
+        if not self.shared:
+            steps.append(lambda: off_loop(_discard_pages, *self._slab))
+        steps += [let_views_go] * -(-len(views) // VIEWS_PER_STEP)
         try:
-            for step in (self._stop_copies, self._give_pages_back, self._let_views_go):
-                try:
-                    await step()
-                except asyncio.CancelledError:
-                    cancelled = True
+            await see_through(steps)
         finally:
             self._closing.set_result(None)
-        if cancelled:
-            raise asyncio.CancelledError
-
-    async def _stop_copies(self) -> None:
-        await shutdown(self._executor)  # cancelled or not, its threads have ended when it returns
-        if self.pinned:  # unlocking a slab of tens of GiB takes the driver time: off the loop
-            await settle(asyncio.get_running_loop().run_in_executor(None, self._unpin))
-
-    async def _give_pages_back(self) -> None:
-        if not self.shared:
-            await settle(asyncio.get_running_loop().run_in_executor(None, _discard_pages, *self._slab))
-
-    async def _let_views_go(self) -> None:
-        views, self._views = self._views, []
-        cancelled = False
-        while views:
-            del views[-VIEWS_PER_STEP:]
-            if views:
-                try:
-                    await asyncio.sleep(0)
-                except asyncio.CancelledError:
-                    cancelled = True
-        if cancelled:
-            raise asyncio.CancelledError
 
     def __repr__(self) -> str:
         return (
