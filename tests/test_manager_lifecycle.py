@@ -9,6 +9,7 @@ import time
 
 import msgspec
 import pytest
+import torch
 from conftest import make_namespace, mla_geometry
 from test_manager_control import CHUNK, NS, blocks_for, config, gpu_tensors, keys_for, open_harness, settle
 
@@ -24,7 +25,7 @@ from tiered_kv import (
     TieredKVError,
     chunk_keys,
 )
-from tiered_kv.errors import ConfigError, TierError, TierIOError
+from tiered_kv.errors import ConfigError, TierClosedError, TierError, TierIOError
 from tiered_kv.manager import _StoreJob
 from tiered_kv.null import NullTier, NullTiers
 from tiered_kv.stats import KVEventKind
@@ -286,6 +287,30 @@ async def test_the_cpu_tier_closes_after_every_driver_that_copies_through_its_sl
     await kv.register(NS, gpu_tensors())
     await kv.close()
     assert tiers.closed == ["gpu", "nvme", "cpu"]
+
+
+async def test_a_cpu_tier_that_refuses_its_views_makes_a_load_a_miss_not_an_error() -> None:
+    """Regression (review): the cpu tier refuses views once it closes, and a load that
+    built its views outside the try that turns a tier's error into a miss raised it to
+    the caller when the manager closed under it."""
+    tiers = NullTiers()
+    kv = TieredKV(config(nvme_chunks=None), tiers=tiers)
+    await kv.register(NS, gpu_tensors())
+    keys, tokens = keys_for(2), 2 * NS.geometry.chunk_size
+    await kv.store(NS, request_id="s", keys=[keys], block_ids=[blocks_for(2)])
+    await kv.finish_request("s")
+    cpu = tiers.made["cpu"][0]
+    view = cpu.view
+
+    def refused(slot: int) -> torch.Tensor:
+        raise TierClosedError("used after close", tier="cpu")
+
+    cpu.view = refused  # type: ignore[method-assign]
+    assert await kv.load(NS, request_id="l", keys=[keys], block_ids=[blocks_for(2, 16)], num_tokens=tokens) == 0
+    cpu.view = view  # type: ignore[method-assign]
+    kv.check_invariants()  # nothing left pinned
+    assert await kv.load(NS, request_id="m", keys=[keys], block_ids=[blocks_for(2, 16)], num_tokens=tokens) == tokens
+    await kv.close()
 
 
 async def test_a_deadline_on_close_does_not_leave_drivers_open() -> None:

@@ -715,13 +715,13 @@ class TieredKV:
                     pool = plan.pool
                     drivers = self._drivers[pool.id]
                     view = drivers.cpu.view
-                    ops = [
-                        TransferOp(buffer=view(slot), key=key, blocks=blocks, first_block=first)
-                        for slot, key, blocks, first in zip(
-                            slots, plan.keys, plan.blocks, plan.first_blocks, strict=False
-                        )
-                    ]
-                    try:
+                    try:  # a view too: the cpu tier refuses them once closed
+                        ops = [
+                            TransferOp(buffer=view(slot), key=key, blocks=blocks, first_block=first)
+                            for slot, key, blocks, first in zip(
+                                slots, plan.keys, plan.blocks, plan.first_blocks, strict=False
+                            )
+                        ]
                         await drivers.gpus[rank].write(ops)
                     except TierError as exc:
                         self._transfer_failed("cpu->gpu", pool, request_id, exc)
@@ -1091,9 +1091,9 @@ class TieredKV:
         gone, out of memory, timeout — drops the chunks there, never the cpu copies."""
         drivers = self._drivers[write.pool.id]
         assert drivers.remote is not None
-        ops = [TransferOp(buffer=drivers.cpu.view(slot), key=key) for key, slot in write.chunks]
-        landed = [False] * len(ops)
-        try:
+        landed = [False] * len(write.chunks)
+        try:  # a view too: the cpu tier refuses them once closed
+            ops = [TransferOp(buffer=drivers.cpu.view(slot), key=key) for key, slot in write.chunks]
             async with self._remote_gate.hold(STORE_PRIORITY):
                 landed = await drivers.remote.write_each(ops, namespace=namespace)
         except TierError as exc:
