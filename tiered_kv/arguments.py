@@ -10,6 +10,7 @@ decided by the calls themselves.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -91,7 +92,7 @@ def _array_ids(array: np.ndarray[Any, Any] | torch.Tensor, what: str, error: typ
 
         if array.layout is not torch.strided or array.device.type != "cpu":
             raise error(f"{what} must be a tensor on the CPU, got one on {array.device} ({array.layout})")
-        if array.dtype not in {getattr(torch, name) for name in _TORCH_INTEGERS if hasattr(torch, name)}:
+        if array.dtype not in _torch_integers():
             raise error(f"{what} must hold integers, got a tensor of {array.dtype}")
     try:
         return array.tolist()
@@ -154,8 +155,15 @@ def distinct_blocks(table: Sequence[int], stop: int, what: str) -> None:
         seen.add(block)
 
 
-#: torch's integer dtypes (the unsigned ones past uint8 are in newer releases only).
-_TORCH_INTEGERS = ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+@functools.cache
+def _torch_integers() -> frozenset[torch.dtype]:
+    """torch's integer dtypes (the unsigned ones past uint8 are in newer releases only),
+    found once: an engine may hand its block tables as tensors on every call."""
+    import torch
+
+    names = ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+    return frozenset(getattr(torch, name) for name in names if hasattr(torch, name))
+
 
 #: Sequences whose items are characters or bytes, not the items a call lists.
 _NOT_IDS = (str, bytes, bytearray, memoryview)
