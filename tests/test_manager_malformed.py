@@ -36,7 +36,7 @@ from tiered_kv import (
 )
 from tiered_kv.arguments import require_keys
 from tiered_kv.config import RemoteTierConfig
-from tiered_kv.errors import BlockTableError, ChunkKeyError
+from tiered_kv.errors import BlockTableError, ChunkKeyError, ConfigError
 from tiered_kv.testing.valkey_server import ValkeyServer
 
 __all__ = ["valkey"]  # fixture
@@ -54,16 +54,58 @@ bad_key = st.sampled_from(
 foreign_key = st.sampled_from(chunk_keys(OTHER_MODEL, list(range(CHUNK))) + chunk_keys(TENANT, list(range(CHUNK))))
 good_key = st.sampled_from(GOOD_KEYS + chunk_keys(NS, list(range(9000, 9000 + 2 * CHUNK))))
 any_key = st.one_of(good_key, bad_key, foreign_key)
-bad_block = st.sampled_from([-5, NUM_BLOCKS, 10**9, 1.5, "3", None, True, 2**70])
+bad_block = st.sampled_from(
+    [-5, NUM_BLOCKS, 10**9, 1.5, "3", None, True, 2**70, np.True_, np.array(False), torch.tensor(True)]
+)
 good_block = st.integers(16, NUM_BLOCKS - 1)
 any_block = st.one_of(good_block, bad_block)
 bad_tokens = st.sampled_from([-1, 10**20, 1.5, None, "7", True, 17 * CHUNK])
 any_tokens = st.one_of(st.integers(0, 6 * CHUNK), bad_tokens)
 
 
+class LyingLength(list):  # type: ignore[type-arg]
+    """A sequence whose ``len()`` is not what iterating it yields."""
+
+    def __init__(self, items: Any, length: int) -> None:
+        super().__init__(items)
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class ArrayOfNothing(np.ndarray):  # type: ignore[type-arg]
+    """An integer array whose ``tolist`` reads out no list."""
+
+    def tolist(self) -> Any:  # type: ignore[override]
+        return None
+
+
+class TensorOfNothing(torch.Tensor):
+    def tolist(self) -> Any:  # type: ignore[override]
+        return None
+
+
+class TensorAnsweringNothing(torch.Tensor):
+    """A tensor subclass whose torch functions (``Tensor.tolist`` among them) answer ``None``."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.tolist:
+            return None
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def lying(draw: Any, groups: list[Any]) -> LyingLength:
+    """``groups`` claiming one group more or fewer than it holds."""
+    return LyingLength(groups, len(groups) + draw(st.sampled_from([-1, 1])))
+
+
 def key_lists(draw: Any) -> Any:
-    shape = draw(st.sampled_from(["ok", "groups", "flat", "not-a-list"]))
+    shape = draw(st.sampled_from(["ok", "groups", "flat", "not-a-list", "lying"]))
     keys = draw(st.lists(any_key, min_size=0, max_size=6))
+    if shape == "lying":
+        return lying(draw, draw(st.sampled_from([[keys], [keys, keys]])))
     if shape == "groups":
         return [keys, keys]
     if shape == "flat":
@@ -76,10 +118,20 @@ def key_lists(draw: Any) -> Any:
 def block_tables(draw: Any) -> Any:
     shape = draw(
         st.sampled_from(
-            ["ok", "ok", "groups", "flat", "not-a-list", "duplicates", "array", "tensor", "matrix", "bytes"]
+            [
+                *("ok", "ok", "groups", "flat", "not-a-list", "duplicates", "array", "tensor", "matrix", "bytes"),
+                *("lying", "array-subclass", "tensor-subclass"),
+            ]
         )
     )
     table = draw(st.lists(any_block, min_size=0, max_size=6 * K))
+    if shape == "lying":
+        return lying(draw, draw(st.sampled_from([[table], [table, table]])))
+    if shape == "array-subclass":
+        return [np.arange(16, 16 + 4 * K).view(ArrayOfNothing)]
+    if shape == "tensor-subclass":
+        subclass = draw(st.sampled_from([TensorOfNothing, TensorAnsweringNothing]))
+        return [torch.arange(16, 16 + 4 * K).as_subclass(subclass)]
     if shape == "groups":
         return [table, table]
     if shape == "flat":
@@ -132,7 +184,14 @@ async def malformed_call(kv: TieredKV, data: Any) -> None:
         elif kind == "finish":
             await kv.finish_request(data.draw(st.sampled_from(["s", "never-seen", 7, None])))
         else:
-            flushed = data.draw(st.sampled_from([None, [1, 2], [1.5], "blocks", [10**9], b"\x01\x02", np.arange(3)]))
+            flushed = data.draw(
+                st.sampled_from(
+                    [
+                        *(None, [1, 2], [1.5], "blocks", [10**9], b"\x01\x02", np.arange(3), [torch.tensor(True)]),
+                        *(np.arange(3).view(ArrayOfNothing), torch.arange(3).as_subclass(TensorAnsweringNothing)),
+                    ]
+                )
+            )
             await kv.flush(flushed, namespace=namespace)
     except TieredKVError:
         pass
@@ -250,11 +309,23 @@ class _BrokenIndex:
         raise ValueError("no index")
 
 
-@pytest.mark.parametrize("make", [np.array, torch.tensor, lambda ids: np.array(ids, dtype=np.int32)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        np.array,
+        torch.tensor,
+        lambda ids: np.array(ids, dtype=np.int32),
+        lambda ids: np.array(ids).view(ArrayOfNothing),
+        lambda ids: torch.tensor(ids).as_subclass(TensorOfNothing),
+    ],
+    ids=["numpy", "torch", "int32", "ndarray-subclass", "tensor-subclass"],
+)
 async def test_block_tables_as_engines_keep_them_numpy_or_torch_store_and_load_like_lists(make: Any) -> None:
     """Regression (adversarial test): a group's block table as a numpy array or a torch
     tensor was refused with "block_ids must be one list per KV group (1), got 1 items",
-    which names neither the group nor the type, while ``flush`` took the same arrays."""
+    which names neither the group nor the type, while ``flush`` took the same arrays.
+    Regression (adversarial test): a subclass whose ``tolist()`` returned ``None`` gave a
+    plain ``TypeError``; its ids are read with the base type's ``tolist``."""
     cache = engine_cache(NUM_BLOCKS)
     kv = TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 8)))
     await kv.register(NS, [cache])
@@ -321,4 +392,62 @@ async def test_flush_refuses_what_is_no_list_of_block_ids_with_a_typed_error(blo
     with pytest.raises(BlockTableError):
         kv.flush_nowait(blocks)
     await kv.flush(np.arange(3, dtype=np.int32))  # a 1-D integer array is block ids
+    await kv.close()
+
+
+async def test_a_tensor_whose_tolist_reads_out_no_list_is_refused_as_a_block_table() -> None:
+    table = torch.arange(16).as_subclass(TensorAnsweringNothing)
+    kv = TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 8)))
+    await kv.register(NS, [engine_cache(NUM_BLOCKS)])
+    with pytest.raises(BlockTableError, match="cannot be read as block ids: tolist gave a NoneType"):
+        await kv.store(NS, request_id="s", keys=[GOOD_KEYS], block_ids=[table])
+    with pytest.raises(BlockTableError, match="cannot be read as block ids"):
+        await kv.load(NS, request_id="l", keys=[GOOD_KEYS], block_ids=[table], num_tokens=4 * CHUNK)
+    with pytest.raises(BlockTableError, match="cannot be read as block ids"):
+        await kv.flush(table)
+    await kv.close()
+
+
+@pytest.mark.parametrize("truth", [torch.tensor(True), np.True_, np.array(True)], ids=["tensor", "np.bool_", "0-d"])
+async def test_a_block_id_that_is_a_truth_value_of_numpy_or_torch_is_refused_as_a_bool(truth: Any) -> None:
+    """Regression (adversarial test): ``flush([torch.tensor(True)])`` waited for block 1;
+    only Python's ``bool`` was refused."""
+    kv = TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 8)))
+    await kv.register(NS, [engine_cache(NUM_BLOCKS)])
+    with pytest.raises(BlockTableError, match="got a bool"):
+        await kv.flush([truth])
+    with pytest.raises(BlockTableError, match="got a bool"):
+        await kv.store(NS, request_id="s", keys=[GOOD_KEYS[:1]], block_ids=[[truth, 2, 3, 4][:K]])
+    await kv.close()
+
+
+async def test_groups_are_what_iterating_them_yields_whatever_their_len_says() -> None:
+    """Regression (adversarial test): a sequence of groups whose ``len()`` was one while it
+    held two gave ``zip``'s ``ValueError`` from store and load. Groups are read once; two
+    groups for a one-group namespace are refused, one group claiming two is one group."""
+    cache = engine_cache(NUM_BLOCKS)
+    kv = TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 8)))
+    await kv.register(NS, [cache])
+    two_claiming_one = LyingLength([GOOD_KEYS, GOOD_KEYS], 1)
+    tables = LyingLength([list(range(16)), list(range(16))], 1)
+    with pytest.raises(ChunkKeyError, match=r"one list per KV group \(1\), got 2 items"):
+        await kv.store(NS, request_id="s", keys=two_claiming_one, block_ids=[list(range(16))])
+    with pytest.raises(ChunkKeyError, match="one list per KV group"):
+        await kv.load(NS, request_id="l", keys=two_claiming_one, block_ids=[list(range(16))], num_tokens=CHUNK)
+    with pytest.raises(ChunkKeyError, match="one list per KV group"):
+        kv.lookup(NS, two_claiming_one)
+    with pytest.raises(BlockTableError, match="one list per KV group"):
+        await kv.store(NS, request_id="s", keys=[GOOD_KEYS], block_ids=tables)
+    with pytest.raises(BlockTableError, match="one list per KV group"):
+        await kv.load(NS, request_id="l", keys=[GOOD_KEYS], block_ids=tables, num_tokens=CHUNK)
+    with pytest.raises(ConfigError, match="one list per KV group"):
+        await kv.register(OTHER_MODEL, LyingLength([[cache], [cache]], 1))
+
+    one_claiming_two = LyingLength([GOOD_KEYS], 2)
+    await kv.store(NS, request_id="s", keys=one_claiming_two, block_ids=LyingLength([list(range(16))], 2))
+    await kv.finish_request("s")
+    assert kv.lookup(NS, one_claiming_two) == 4
+    dest = LyingLength([list(range(16, 32))], 2)
+    assert await kv.load(NS, request_id="l", keys=one_claiming_two, block_ids=dest, num_tokens=4 * CHUNK) == 4 * CHUNK
+    assert same_blocks(cache, range(16), range(16, 32))
     await kv.close()

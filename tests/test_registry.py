@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from importlib.metadata import EntryPoint
+from typing import Any
 
 import pytest
 
@@ -87,3 +89,64 @@ def test_an_entry_point_is_read_and_loaded_once(monkeypatch: pytest.MonkeyPatch)
     assert registry.get("ordered") is marker
     registry.unregister("ordered")
     assert registry.get("ordered") is first
+
+
+def test_preload_loads_what_it_is_asked_for_and_leaves_unknown_names_to_get(monkeypatch: pytest.MonkeyPatch) -> None:
+    points = CountingEntryPoints([EntryPoint(name="ordered", value="collections:OrderedDict", group="demo.group")])
+    monkeypatch.setattr(registry_module, "entry_points", points)
+    registry: Registry[object] = Registry("demo.group", "demo plug-in")
+    registry.preload(["ordered", "nowhere"])
+    reads = points.reads
+    from collections import OrderedDict
+
+    assert registry.get("ordered") is OrderedDict
+    assert points.reads == reads  # loaded already: a dict probe
+    with pytest.raises(UnknownPluginError, match="nowhere"):
+        registry.get("nowhere")
+
+
+class ThreadRecordingEntryPoints:
+    """The installed entry points, noting the thread that read them."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+        self.real = registry_module.entry_points
+
+    def __call__(self, *, group: str) -> Any:
+        self.threads.append(threading.get_ident())
+        return self.real(group=group)
+
+
+@pytest.mark.parametrize("admission", [None, "seen_k"])
+async def test_the_first_registration_reads_and_imports_plugins_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, admission: str | None
+) -> None:
+    """Regression (adversarial test): the first registration in a process found and
+    imported the nvme driver (19 ms), the gpu driver (5 ms) and the policy on the loop."""
+    from conftest import make_namespace
+    from test_manager_data import engine_cache
+
+    from tiered_kv import CpuTierConfig, NamespacePolicyConfig, NvmeTierConfig, TieredKV, TieredKVConfig
+    from tiered_kv.registry import ADMISSION_FILTERS, POLICIES, TIERS
+
+    recording = ThreadRecordingEntryPoints()
+    monkeypatch.setattr(registry_module, "entry_points", recording)
+    for registry in (TIERS, POLICIES, ADMISSION_FILTERS):
+        monkeypatch.setattr(registry, "_loaded", {})  # as in a new process
+    ns = make_namespace()
+    chunk = ns.geometry.chunk_bytes()
+    policy = NamespacePolicyConfig(policy="arc", admission=admission)
+    config = TieredKVConfig(
+        cpu=CpuTierConfig(capacity_bytes=chunk * 8),
+        nvme=NvmeTierConfig(root=str(tmp_path), capacity_bytes=chunk * 8),
+        namespaces={ns.model_id: policy},
+    )
+    kv = TieredKV(config)
+    recording.threads.clear()  # the config's check lists the names before any loop matters
+    await kv.register(ns, [engine_cache(64)])
+    loop_thread = threading.get_ident()
+    assert recording.threads, "nothing was looked up: the test does not see the registry"
+    assert loop_thread not in recording.threads
+    assert {"gpu", "cpu", "nvme"} <= set(TIERS._loaded) and "arc" in POLICIES._loaded
+    assert admission is None or admission in ADMISSION_FILTERS._loaded
+    await kv.close()

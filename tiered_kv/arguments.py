@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
@@ -44,7 +44,7 @@ def per_group(
     """``value`` as one sequence per KV group: ``groups`` sequences (none of them a string
     or bytes, which are sequences too). With ``arrays``, a group may also be a 1-D integer
     numpy array or CPU torch tensor (engines keep block tables so), taken as its list of
-    values (see :func:`_array_ids`)."""
+    values (see :func:`_array_ids`). Callers use what it returns, not ``value``."""
     if type(value) is list and len(value) == groups:  # the common case, without the ABC checks below
         if groups == 1:
             if type(value[0]) is list:
@@ -53,11 +53,12 @@ def per_group(
             return value
     if not _is_sequence(value):
         raise error(f"{what} must be one list per KV group ({groups}), got {type(value).__name__}")
-    if len(value) != groups:
-        raise error(f"{what} must be one list per KV group ({groups}), got {len(value)} items")
-    if all(_is_sequence(item) for item in value):
-        return value
-    return [_group(item, i, what, error, arrays) for i, item in enumerate(value)]
+    # Read once, so that what is checked is what is used: a sequence's len() may
+    # disagree with what iterating it yields.
+    items = list(value)
+    if len(items) != groups:
+        raise error(f"{what} must be one list per KV group ({groups}), got {len(items)} items")
+    return [_group(item, i, what, error, arrays) for i, item in enumerate(items)]
 
 
 def _group(item: object, i: int, what: str, error: type[TieredKVError], arrays: bool) -> Sequence[Any]:
@@ -87,6 +88,7 @@ def _array_ids(array: np.ndarray[Any, Any] | torch.Tensor, what: str, error: typ
     if isinstance(array, np.ndarray):
         if array.dtype.kind not in "iu":
             raise error(f"{what} must hold integers, got an array of {array.dtype}")
+        read_out: Callable[[Any], object] = np.ndarray.tolist
     else:
         import torch
 
@@ -94,10 +96,16 @@ def _array_ids(array: np.ndarray[Any, Any] | torch.Tensor, what: str, error: typ
             raise error(f"{what} must be a tensor on the CPU, got one on {array.device} ({array.layout})")
         if array.dtype not in _torch_integers():
             raise error(f"{what} must hold integers, got a tensor of {array.dtype}")
+        read_out = torch.Tensor.tolist
+    # The base type's tolist (a subclass may override it), and its result checked (a
+    # tensor subclass's __torch_function__ may still answer anything).
     try:
-        return array.tolist()
+        ids = read_out(array)
     except Exception as exc:  # a tensor kind torch cannot read out
         raise error(f"{what} cannot be read as block ids: {exc}") from None
+    if type(ids) is not list:
+        raise error(f"{what} cannot be read as block ids: tolist gave a {type(ids).__name__}")
+    return ids
 
 
 def require_keys(keys: Sequence[Any]) -> None:
@@ -113,8 +121,8 @@ def require_block_ids(table: Iterable[Any]) -> list[int]:
         return table  # type: ignore[return-value]
     ids = []
     for block in table:
-        if type(block) is bool:
-            raise BlockTableError("a block id must be an integer, got a bool")
+        if _is_bool(block):
+            raise BlockTableError(f"a block id must be an integer, got a bool ({type(block).__name__})")
         try:
             ids.append(operator.index(block))
         except Exception:  # TypeError, or what a broken __index__ raises
@@ -181,6 +189,15 @@ def _is_array(value: object) -> TypeGuard[np.ndarray[Any, Any] | torch.Tensor]:
     import torch
 
     return isinstance(value, torch.Tensor)
+
+
+def _is_bool(value: object) -> bool:
+    """A truth value, which ``operator.index`` would take as 0 or 1: a ``bool``, a numpy
+    bool, or a 0-d array or tensor of bools."""
+    if isinstance(value, (bool, np.bool_)):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and str(dtype) in ("bool", "torch.bool")
 
 
 def _describe(value: object) -> str:

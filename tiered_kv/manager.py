@@ -46,7 +46,7 @@ from tiered_kv.arguments import (
     require_request_id,
 )
 from tiered_kv.checks import is_int_at_least
-from tiered_kv.config import NvmeTierConfig, RemoteTierConfig, TieredKVConfig, WritePolicy
+from tiered_kv.config import NamespacePolicyConfig, NvmeTierConfig, RemoteTierConfig, TieredKVConfig, WritePolicy
 from tiered_kv.control import (
     RESTORE_BATCH,
     ControlPlane,
@@ -82,7 +82,7 @@ from tiered_kv.keys import ChunkKey
 from tiered_kv.layout import AttentionKind
 from tiered_kv.log import bound_to_call, get_logger
 from tiered_kv.namespace import Namespace
-from tiered_kv.registry import TIERS
+from tiered_kv.registry import ADMISSION_FILTERS, POLICIES, TIERS
 from tiered_kv.scheduler import LOAD_PRIORITY, STORE_PRIORITY, Budget, PriorityGate, Scheduler, wait_out
 from tiered_kv.spans import cdiv, span_chunks, validate_window_span, window_span
 from tiered_kv.stats import KVEvent, RemotePoolStatistics, Statistics
@@ -375,7 +375,7 @@ class TieredKV:
         """
         self._check()
         geometry = require_namespace(namespace).geometry
-        per_group(kv_caches, len(geometry.groups), "kv_caches", ConfigError)
+        kv_caches = per_group(kv_caches, len(geometry.groups), "kv_caches", ConfigError)
         for group, tensors in enumerate(kv_caches):
             if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() > 0 and len(t) > 0 for t in tensors):
                 raise ConfigError(f"group {group}: expected non-empty tensors [num_blocks, …]", field="kv_caches")
@@ -453,6 +453,8 @@ class TieredKV:
         self._ranks_opened[model] += 1
         opened: list[_Drivers] = []
         try:
+            # The first registration in a process finds and imports the plug-ins: off the loop.
+            await asyncio.to_thread(self._plugins_loaded, policy)
             for group in range(len(geometry.groups)):
                 opened.append(await self._open_drivers(base, group, cpu_slots, nvme_slots))
             pools = self._control.add_pools(base, policy, cpu_slots, nvme_slots, self.config.remote)
@@ -482,6 +484,19 @@ class TieredKV:
                 remote=drivers.remote is not None,
             )
         self._ranks[base.fingerprint_hex] = set()
+
+    def _plugins_loaded(self, policy: NamespacePolicyConfig) -> None:
+        """Load the drivers and policies an opening of pools under ``policy`` asks the
+        registries for (run in a thread: see :meth:`Registry.preload`)."""
+        tiers = ["gpu", "cpu"]
+        if self.config.nvme is not None:
+            tiers.append("nvme")
+        if self.config.remote is not None:
+            tiers.append("remote")
+        TIERS.preload(tiers)
+        POLICIES.preload([policy.policy])
+        if policy.admission is not None:
+            ADMISSION_FILTERS.preload([policy.admission])
 
     async def _restore(self, pool: Pool, driver: RecoverableTier) -> None:
         """A warm restart's chunks into the pool's nvme index, a batch at a time, giving the
@@ -557,7 +572,7 @@ class TieredKV:
         if self._closed or self._scheduler.fatal is not None:
             self._check()
         pools = self._pools_of(namespace)
-        per_group(keys, len(pools), "keys", ChunkKeyError)
+        keys = per_group(keys, len(pools), "keys", ChunkKeyError)
         found = self._control.lookup(namespace, keys, pools)
         if pools[0].hint is not None:
             self._know_tenant(namespace)
@@ -590,7 +605,7 @@ class TieredKV:
         self._check()
         pools = self._pools_of(namespace)
         require_request_id(request_id)
-        per_group(keys, len(pools), "keys", ChunkKeyError)
+        keys = per_group(keys, len(pools), "keys", ChunkKeyError)
         tables = [
             require_block_ids(table)
             for table in per_group(block_ids, len(pools), "block_ids", BlockTableError, arrays=True)

@@ -10,6 +10,8 @@ is a cache policy a namespace can be configured with.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Generic, TypeVar
 
@@ -59,6 +61,15 @@ class Registry(Generic[T]):
         plugin: T = found.load()
         self._loaded[name] = plugin
         return plugin
+
+    def preload(self, names: Iterable[str]) -> None:
+        """Load the entry points of ``names`` now, so that a later :meth:`get` of them is
+        a dict probe: reading the installed distributions and importing a plug-in take
+        milliseconds, which a caller on the event loop does in a thread through here. A
+        name nothing provides is left for :meth:`get` to refuse where it is asked for."""
+        for name in names:
+            with contextlib.suppress(UnknownPluginError):
+                self.get(name)
 
 
 TIERS: Registry[object] = Registry("tiered_kv.tiers", "tier driver")
