@@ -17,6 +17,8 @@ FIGURES = [
     "p99 stall (ms)",
     "max stall, heap frozen (ms)",
     "p99 stall, heap frozen (ms)",
+    "max stall, kernel-timed ticks (ms)",
+    "p99 stall, kernel-timed ticks (ms)",
     "chunks/s stored",
     "reopen (s)",
     "index B/chunk",
@@ -61,9 +63,15 @@ def test_bench_scale_reports_each_figure_against_its_target(tmp_path: Path, caps
         size.frozen_bystander_stall_max_ms,
         size.frozen_bystander_stall_p99_ms,
     ]
+    assert size.kernel_stall_max_ms is not None and size.kernel_stall_p99_ms is not None, "Linux has a timerfd"
+    assert size.kernel_bystander_stall_max_ms is not None and size.kernel_bystander_stall_p99_ms is not None
+    assert size.kernel_stall_max_ms >= size.kernel_stall_p99_ms >= 0
+    bystanders += [size.kernel_bystander_stall_max_ms, size.kernel_bystander_stall_p99_ms]
     assert [check.bystander for check in size.checks] == [f"{v:.2f}" for v in bystanders] + [""] * 3
+    assert "kernel-timed ticks: how late the loop runs a 1 ms timerfd's callback" in table
     assert "other process" in table
-    assert not (tmp_path / "frozen").exists() and not list(tmp_path.glob("*/frozen")), "the second store is removed"
+    for store in ("frozen", "kernel"):
+        assert not list(tmp_path.glob(f"*/{store}")), f"the {store} store is removed"
     assert json.loads(out.read_text())["scale"]["sizes"][0]["checks"][0]["figure"] == FIGURES[0]
 
 

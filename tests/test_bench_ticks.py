@@ -8,10 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tiered_kv.bench.ticks import Bystander, BystanderError, worst
+from tiered_kv.bench.ticks import Bystander, BystanderError, KernelTicker, worst
 
 
 def test_worst_is_the_max_and_the_99th_percentile_in_ms() -> None:
@@ -73,3 +74,34 @@ async def test_a_bystander_that_died_is_the_same_error_however_soon_it_is_asked(
             os.kill(other.pid, signal.SIGKILL)
             await asyncio.sleep(settle_s)
             await other.take()
+
+
+needs_timerfd = pytest.mark.skipif(not KernelTicker.available(), reason="needs a timerfd (Linux)")
+
+
+@needs_timerfd
+async def test_the_kernel_ticker_counts_a_blocked_loop_from_the_earliest_tick_it_missed() -> None:
+    """A loop held for 30 ms finds 30 ticks pending at once: the stall is counted from the
+    first of them (30 ms), once, not from the last (under a tick)."""
+    ticker = KernelTicker()
+    with ticker.running():
+        await asyncio.sleep(0.01)
+        ticker.take()
+        time.sleep(0.03)  # noqa: ASYNC251 (the loop held, on purpose)
+        await asyncio.sleep(0.005)
+        held_max, held_p99 = ticker.take()
+        assert held_max >= 25.0 and held_p99 <= held_max
+        await asyncio.sleep(0.01)
+        assert ticker.take()[0] < 25.0, "the hold was counted once"
+
+
+@needs_timerfd
+async def test_the_kernel_ticker_ticks_and_lets_go_of_its_timer() -> None:
+    ticker = KernelTicker()
+    with ticker.running():
+        await asyncio.sleep(0.05)
+        assert ticker._lates, "no tick in 50 ms of 1 ms ticks"
+        fd = ticker._fd
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert fd not in asyncio.get_running_loop()._selector.get_map(), "the loop still watches it"  # type: ignore[attr-defined]

@@ -22,6 +22,13 @@ them (about 85 ms at 1M chunks on the development VM). Servers freeze their star
 go (no reopen between them) with the heap frozen after ``register``, gives the stalls
 such a host sees.
 
+A sleep's wake-up is timed by the loop's selector, whose ``epoll`` wait is in whole
+milliseconds: once anything else woke the loop (an I/O completion), the rest of a 1 ms
+sleep is waited as 1 ms, so the sleep wakes up to 1 ms late while no callback runs. A
+third store, grown the same way with no sleeping ticker, has its stalls measured by a
+timer the kernel fires every 1 ms (:class:`~tiered_kv.bench.ticks.KernelTicker`): how late
+the loop runs the callback of an event that came on time, without that rounding.
+
 The ticker alone first, for a second: the stalls the machine itself causes an idle loop.
 Where the time goes: the same growth with the nvme driver alone (same batches, same
 concurrency, no manager) gives the driver's rate and stalls, as fast as it goes and again
@@ -50,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 from tiered_kv.bench import SectionResult
 from tiered_kv.bench.report import Progress, Table
 from tiered_kv.bench.schema import ScaleCheck, ScaleFigures, ScaleSize
-from tiered_kv.bench.ticks import TICK_S, Bystander, tick, worst
+from tiered_kv.bench.ticks import TICK_S, Bystander, KernelTicker, tick, worst
 from tiered_kv.cli_errors import UsageError
 from tiered_kv.config import CpuTierConfig, NvmeTierConfig, RemoteTierConfig, TieredKVConfig
 from tiered_kv.interfaces import HostTier, RecoverableTier, RemoteTier, TierDriver, TierFactory, TransferOp
@@ -122,6 +129,8 @@ def _table(figures: ScaleFigures) -> Table:
         headers=["chunks", "figure", "measured", "target", "", "nvme driver alone / its part", "other process"],
         rows=rows,
         note="stalls: how late a 1 ms sleep of the event loop wakes; timings on a shared machine are noisy\n"
+        "kernel-timed ticks: how late the loop runs a 1 ms timerfd's callback, in a third growth (the sleep's wait "
+        "is rounded up to a whole ms once anything else woke the loop; these leave that rounding out)\n"
         "nvme driver alone, on the stall rows: as fast as it goes; then paced at the rate TieredKV stored "
         f"(at most {PACED_CHUNKS:,} chunks)\n"
         "other process: the stalls of a loop in another process that only ticks, during the same growth "
@@ -352,14 +361,10 @@ async def _frozen_pass(
     """Per size: ``(max, p99 stall, longest garbage collection)`` of a ``TieredKV`` growing a
     store under ``root`` to it, the host's heap frozen once the manager was registered,
     and ``(max, p99)`` of the bystander meanwhile."""
-    from tiered_kv.manager import TieredKV
-
     ticker = _Ticker()
     keys = _Keys()
     out: list[tuple[float, float, float, float, float]] = []
-    kv = TieredKV(_config(root, sizes[-1]))
-    try:
-        await kv.register(NAMESPACE, [_engine_cache()])
+    async with _new_store(root, sizes[-1]) as kv:
         thawed = gc.get_freeze_count() == 0  # a heap the caller froze stays frozen
         gc.collect()
         gc.freeze()
@@ -374,10 +379,46 @@ async def _frozen_pass(
         finally:
             if thawed:
                 gc.unfreeze()
+    return out
+
+
+async def _kernel_pass(
+    root: Path, sizes: list[int], other: Bystander, progress: Progress
+) -> list[tuple[float, float, float, float] | None]:
+    """Per size: ``(max, p99)`` stall of a ``TieredKV`` growing a store under ``root`` to
+    it, as the kernel-timed ticker alone measures them (:class:`KernelTicker`: the sleep's
+    millisecond rounding left out), and ``(max, p99)`` of the bystander meanwhile; ``None``
+    each where the system has no timerfd."""
+    if not KernelTicker.available():
+        return [None] * len(sizes)
+    ticker = KernelTicker()
+    keys = _Keys()
+    out: list[tuple[float, float, float, float] | None] = []
+    async with _new_store(root, sizes[-1]) as kv:
+        with ticker.running():
+            for size in sizes:
+                progress.step(len(out), len(sizes), f"TieredKV to {size:,} chunks, kernel-timed ticks")
+                await other.take()
+                ticker.take()
+                await _grow(kv, size, keys)
+                await asyncio.sleep(TICK_S)  # a tick a last step delayed is counted once it has run
+                out.append((*ticker.take(), *await other.take()))
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _new_store(root: Path, capacity: int) -> AsyncIterator[TieredKV]:
+    """A ``TieredKV`` registered over a new store under ``root``; closed, and the store
+    removed, afterwards."""
+    from tiered_kv.manager import TieredKV
+
+    kv = TieredKV(_config(root, capacity))
+    try:
+        await kv.register(NAMESPACE, [_engine_cache()])
+        yield kv
     finally:
         await kv.close()
         await asyncio.to_thread(shutil.rmtree, root, ignore_errors=True)
-    return out
 
 
 async def _idle_stalls() -> tuple[float, float]:
@@ -402,6 +443,7 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
     driver = await _driver_pass(root / "driver", sizes, progress)
     await asyncio.to_thread(shutil.rmtree, root / "driver", ignore_errors=True)
     frozen = await _frozen_pass(root / "frozen", sizes, other, progress)
+    kernel = await _kernel_pass(root / "kernel", sizes, other, progress)
     cache = _engine_cache()
     store = root / "store"
     ticker = _Ticker()
@@ -465,13 +507,14 @@ async def _measure(root: Path, sizes: list[int], other: Bystander, progress: Pro
         batch_chunks=BATCH,
         idle_stall_max_ms=idle_max,
         idle_stall_p99_ms=idle_p99,
-        sizes=[_size(*measured) for measured in zip(rows, frozen, driver, paced, strict=True)],
+        sizes=[_size(*measured) for measured in zip(rows, frozen, kernel, driver, paced, strict=True)],
     )
 
 
 def _size(
     grown: dict[str, Any],
     frozen: tuple[float, float, float, float, float],
+    kernel: tuple[float, float, float, float] | None,
     driver: tuple[float, float, float],
     paced: tuple[float, float, float],
 ) -> ScaleSize:
@@ -487,6 +530,7 @@ def _size(
         _check("p99 stall (ms)", p99, P99_STALL_MS, at_most=True, driver=_stalls(d_p99, p_p99), other=o_p99),
         _check("max stall, heap frozen (ms)", f_max, MAX_STALL_MS, at_most=True, driver="", other=fo_max),
         _check("p99 stall, heap frozen (ms)", f_p99, P99_STALL_MS, at_most=True, driver="", other=fo_p99),
+        *_kernel_checks(kernel),
         _check("chunks/s stored", grown["store_chunks_per_s"], CHUNKS_PER_S, at_most=False, driver=f"{d_rate:,.0f}"),
         _check("reopen (s)", grown["reopen_s"], REOPEN_S, at_most=True, driver=f"{grown['driver_reopen_s']:.3f}"),
         _check(
@@ -504,6 +548,10 @@ def _size(
         frozen_gc_pause_max_ms=f_gc,
         frozen_bystander_stall_max_ms=fo_max,
         frozen_bystander_stall_p99_ms=fo_p99,
+        kernel_stall_max_ms=None if kernel is None else kernel[0],
+        kernel_stall_p99_ms=None if kernel is None else kernel[1],
+        kernel_bystander_stall_max_ms=None if kernel is None else kernel[2],
+        kernel_bystander_stall_p99_ms=None if kernel is None else kernel[3],
         driver_stall_max_ms=d_max,
         driver_stall_p99_ms=d_p99,
         driver_store_chunks_per_s=d_rate,
@@ -512,6 +560,17 @@ def _size(
         paced_driver_chunks_per_s=p_rate,
         checks=checks,
     )
+
+
+def _kernel_checks(kernel: tuple[float, float, float, float] | None) -> list[ScaleCheck]:
+    """The kernel-timed ticker's stall rows (none where the system has no timerfd)."""
+    if kernel is None:
+        return []
+    top, p99, other_top, other_p99 = kernel
+    return [
+        _check("max stall, kernel-timed ticks (ms)", top, MAX_STALL_MS, at_most=True, driver="", other=other_top),
+        _check("p99 stall, kernel-timed ticks (ms)", p99, P99_STALL_MS, at_most=True, driver="", other=other_p99),
+    ]
 
 
 def _stalls(flat_out: float, paced: float) -> str:
