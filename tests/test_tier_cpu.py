@@ -4,8 +4,10 @@ foreign (shared) buffer, and its memory given back at close without holding the 
 from __future__ import annotations
 
 import asyncio
+import gc
 import mmap
 import os
+import random
 import threading
 import weakref
 from pathlib import Path
@@ -77,6 +79,19 @@ def test_a_slots_view_is_made_once_and_each_slot_has_its_own() -> None:
     first = [tier.view(slot) for slot in range(3)]
     assert all(tier.view(slot) is view for slot, view in enumerate(first))
     assert len({view.data_ptr() for view in first}) == 3
+
+
+@pytest.mark.parametrize("num_slots", [1, 1000, 5000])
+def test_every_view_is_made_with_the_tier_and_an_ask_makes_no_object(num_slots: int) -> None:
+    """Regression (scale probe): views were made at the first ask of each slot, after the
+    host had frozen its start-up heap, and kept: every full garbage collection walked
+    them (0.6 µs a tensor; 7.6 ms a pass at 1M nvme chunks over 16k cpu slots)."""
+    tier = PinnedCpuTier(slot_bytes=PAGE, num_slots=num_slots, pin=False)
+    gc.collect()
+    before = len(gc.get_objects())
+    for slot in random.Random(num_slots).choices(range(num_slots), k=3 * num_slots):
+        tier.view(slot)
+    assert len(gc.get_objects()) - before < 50
 
 
 async def test_bytes_put_through_a_view_are_read_back_by_the_driver() -> None:
