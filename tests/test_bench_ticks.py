@@ -105,3 +105,14 @@ async def test_the_kernel_ticker_ticks_and_lets_go_of_its_timer() -> None:
     with pytest.raises(OSError):
         os.fstat(fd)
     assert fd not in asyncio.get_running_loop()._selector.get_map(), "the loop still watches it"  # type: ignore[attr-defined]
+
+
+@needs_timerfd
+def test_the_kernel_ticker_outside_a_loop_refuses_before_it_makes_a_timer() -> None:
+    """Regression (review): the timerfd was made before the running loop was asked for,
+    and a call without one leaked it."""
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(RuntimeError), KernelTicker().running():
+            pass
+    assert len(os.listdir("/proc/self/fd")) == before

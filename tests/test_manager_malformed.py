@@ -451,3 +451,26 @@ async def test_groups_are_what_iterating_them_yields_whatever_their_len_says() -
     assert await kv.load(NS, request_id="l", keys=one_claiming_two, block_ids=dest, num_tokens=4 * CHUNK) == 4 * CHUNK
     assert same_blocks(cache, range(16), range(16, 32))
     await kv.close()
+
+
+class _DtypeRaises:
+    """An "integer" whose ``dtype`` property raises (a broken array-like)."""
+
+    @property
+    def dtype(self) -> Any:
+        raise ValueError("no dtype")
+
+    def __index__(self) -> int:
+        return 3
+
+
+async def test_a_block_id_whose_dtype_raises_is_refused_with_a_typed_error() -> None:
+    """Regression (review): the bool check read ``dtype`` outside the ``try`` that turns a
+    block id's own failure into a ``BlockTableError``, so its ``ValueError`` escaped."""
+    kv = TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 8)))
+    await kv.register(NS, [engine_cache(NUM_BLOCKS)])
+    with pytest.raises(BlockTableError, match="got _DtypeRaises"):
+        await kv.flush([_DtypeRaises()])
+    with pytest.raises(BlockTableError, match="got _DtypeRaises"):
+        await kv.store(NS, request_id="s", keys=[GOOD_KEYS[:1]], block_ids=[[_DtypeRaises()] * K])
+    await kv.close()

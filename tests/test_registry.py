@@ -150,3 +150,19 @@ async def test_the_first_registration_reads_and_imports_plugins_off_the_event_lo
     assert {"gpu", "cpu", "nvme"} <= set(TIERS._loaded) and "arc" in POLICIES._loaded
     assert admission is None or admission in ADMISSION_FILTERS._loaded
     await kv.close()
+
+
+async def test_a_registration_with_its_own_tier_factory_asks_the_tier_registry_for_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression (review): the preload loaded every tier driver the config names, even
+    for a manager whose factory builds its own; a broken driver plug-in then failed it."""
+    from test_manager_control import config, open_harness
+
+    from tiered_kv.registry import TIERS
+
+    asked: list[str] = []
+    monkeypatch.setattr(TIERS, "get", lambda name: asked.append(name))
+    harness = await open_harness(config())  # NullTiers: its own drivers
+    assert asked == []
+    await harness.kv.close()

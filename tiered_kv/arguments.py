@@ -121,12 +121,14 @@ def require_block_ids(table: Iterable[Any]) -> list[int]:
         return table  # type: ignore[return-value]
     ids = []
     for block in table:
-        if _is_bool(block):
-            raise BlockTableError(f"a block id must be an integer, got a bool ({type(block).__name__})")
         try:
-            ids.append(operator.index(block))
-        except Exception:  # TypeError, or what a broken __index__ raises
+            is_bool = _is_bool(block)
+            if not is_bool:
+                ids.append(operator.index(block))
+        except Exception:  # TypeError, or what a broken __index__ or dtype raises
             raise BlockTableError(f"a block id must be an integer, got {_describe(block)}") from None
+        if is_bool:
+            raise BlockTableError(f"a block id must be an integer, got a bool ({type(block).__name__})")
     return ids
 
 

@@ -488,12 +488,13 @@ class TieredKV:
     def _plugins_loaded(self, policy: NamespacePolicyConfig) -> None:
         """Load the drivers and policies an opening of pools under ``policy`` asks the
         registries for (run in a thread: see :meth:`Registry.preload`)."""
-        tiers = ["gpu", "cpu"]
-        if self.config.nvme is not None:
-            tiers.append("nvme")
-        if self.config.remote is not None:
-            tiers.append("remote")
-        TIERS.preload(tiers)
+        if isinstance(self._tiers, RegistryTiers):  # another factory may never ask the registry
+            tiers = ["gpu", "cpu"]
+            if self.config.nvme is not None:
+                tiers.append("nvme")
+            if self.config.remote is not None:
+                tiers.append("remote")
+            TIERS.preload(tiers)
         POLICIES.preload([policy.policy])
         if policy.admission is not None:
             ADMISSION_FILTERS.preload([policy.admission])

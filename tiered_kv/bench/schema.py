@@ -167,11 +167,11 @@ class ScaleSize(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     #: The same growth in a third store, its stalls measured by a timer the kernel fires
     #: every 1 ms (``tiered_kv.bench.ticks.KernelTicker``), without the millisecond rounding
     #: of a sleep's wait, and the bystander's meanwhile; ``None`` where the system has no
-    #: timerfd.
-    kernel_stall_max_ms: float | None
-    kernel_stall_p99_ms: float | None
-    kernel_bystander_stall_max_ms: float | None
-    kernel_bystander_stall_p99_ms: float | None
+    #: timerfd (or in a document written before they were measured).
+    kernel_stall_max_ms: float | None = None
+    kernel_stall_p99_ms: float | None = None
+    kernel_bystander_stall_max_ms: float | None = None
+    kernel_bystander_stall_p99_ms: float | None = None
     #: A loop in another process that only ticks (``tiered_kv.bench.ticks``), during the
     #: growth and during the frozen growth: the stalls this machine gives any loop under
     #: the same load, which the library's own cannot go below.

@@ -82,10 +82,10 @@ class KernelTicker:
         libc = _timerfd()
         if libc is None:
             raise OSError(errno.ENOSYS, "no timerfd on this system")
+        loop = asyncio.get_running_loop()
         fd = libc.timerfd_create(time.CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC)
         if fd < 0:
             raise OSError(ctypes.get_errno(), "timerfd_create")
-        loop = asyncio.get_running_loop()
         try:
             self._fd, self._seen, self._lates = fd, 0, []
             self._first = time.clock_gettime(time.CLOCK_MONOTONIC) + TICK_S
