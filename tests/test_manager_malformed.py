@@ -474,3 +474,57 @@ async def test_a_block_id_whose_dtype_raises_is_refused_with_a_typed_error() -> 
     with pytest.raises(BlockTableError, match="got _DtypeRaises"):
         await kv.store(NS, request_id="s", keys=[GOOD_KEYS[:1]], block_ids=[[_DtypeRaises()] * K])
     await kv.close()
+
+
+class _TensorRaising(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise RuntimeError("a torch function of a broken subclass")
+
+
+class _NdimRaising(np.ndarray):  # type: ignore[type-arg]
+    @property
+    def ndim(self) -> int:  # type: ignore[override]
+        raise RuntimeError("no ndim")
+
+
+class _IterRaising(list):  # type: ignore[type-arg]
+    def __iter__(self) -> Any:
+        raise ValueError("cannot iterate")
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        torch.arange(16).as_subclass(_TensorRaising),
+        np.arange(16).view(_NdimRaising),
+        _IterRaising(range(16)),
+    ],
+    ids=["tensor-torch-function", "ndarray-ndim", "iter"],
+)
+async def test_a_group_whose_own_attributes_or_iteration_raise_is_a_typed_error(table: Any) -> None:
+    """Regression (review): ``_array_ids`` read an array's ``ndim``, ``layout``, ``device``
+    and ``dtype`` outside its guard, and ``per_group`` iterated a sequence unguarded: what
+    they raised escaped from store, load, lookup and flush as native exceptions."""
+    kv = TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 8)))
+    await kv.register(NS, [engine_cache(NUM_BLOCKS)])
+    with pytest.raises(BlockTableError):
+        await kv.store(NS, request_id="s", keys=[GOOD_KEYS], block_ids=[table])
+    with pytest.raises(BlockTableError):
+        await kv.load(NS, request_id="l", keys=[GOOD_KEYS], block_ids=[table], num_tokens=4 * CHUNK)
+    with pytest.raises(BlockTableError):
+        await kv.flush(table)
+    with pytest.raises(ChunkKeyError):
+        kv.lookup(NS, _IterRaising([GOOD_KEYS]))
+    await kv.close()
+
+
+async def test_a_keys_group_whose_len_lies_is_read_as_what_it_holds_by_lookup() -> None:
+    """Regression (review): a keys group (not the outer sequence) whose ``len()`` claimed
+    100 keys gave the control plane's ``IndexError`` from ``lookup``."""
+    kv = TieredKV(TieredKVConfig(cpu=CpuTierConfig(capacity_bytes=NS.geometry.chunk_bytes() * 8)))
+    await kv.register(NS, [engine_cache(NUM_BLOCKS)])
+    await kv.store(NS, request_id="s", keys=[GOOD_KEYS], block_ids=[list(range(16))])
+    await kv.finish_request("s")
+    assert kv.lookup(NS, [LyingLength(GOOD_KEYS, 100)]) == 4
+    await kv.close()

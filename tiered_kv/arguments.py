@@ -55,7 +55,7 @@ def per_group(
         raise error(f"{what} must be one list per KV group ({groups}), got {type(value).__name__}")
     # Read once, so that what is checked is what is used: a sequence's len() may
     # disagree with what iterating it yields.
-    items = list(value)
+    items = _read_out(value, what, error)
     if len(items) != groups:
         raise error(f"{what} must be one list per KV group ({groups}), got {len(items)} items")
     return [_group(item, i, what, error, arrays) for i, item in enumerate(items)]
@@ -63,7 +63,7 @@ def per_group(
 
 def _group(item: object, i: int, what: str, error: type[TieredKVError], arrays: bool) -> Sequence[Any]:
     if _is_sequence(item):
-        return item
+        return item if type(item) is list else _read_out(item, f"{what}[{i}]", error)
     if arrays and _is_array(item):
         return _array_ids(item, f"{what}[{i}]", error)
     kinds = "a list, a 1-D numpy array or a 1-D torch tensor" if arrays else "a list"
@@ -80,9 +80,27 @@ def require_flushed_blocks(value: object) -> list[int]:
     return require_block_ids(value)
 
 
+def _read_out(sequence: Iterable[Any], what: str, error: type[TieredKVError]) -> list[Any]:
+    """``sequence``'s items, read once; what its iteration raises is ``error``."""
+    try:
+        return list(sequence)
+    except Exception as exc:
+        raise error(f"{what} cannot be read: {exc!r}") from None
+
+
 def _array_ids(array: np.ndarray[Any, Any] | torch.Tensor, what: str, error: type[TieredKVError]) -> list[int]:
     """A 1-D integer array's values: a numpy array, or a strided torch tensor on the CPU
-    (``tolist`` of a GPU tensor would wait for the device on the event loop)."""
+    (``tolist`` of a GPU tensor would wait for the device on the event loop). What the
+    array's own attributes raise (a subclass may make them do anything) is ``error``."""
+    try:
+        return _checked_array_ids(array, what, error)
+    except TieredKVError:
+        raise
+    except Exception as exc:
+        raise error(f"{what} cannot be read as block ids: {exc}") from None
+
+
+def _checked_array_ids(array: np.ndarray[Any, Any] | torch.Tensor, what: str, error: type[TieredKVError]) -> list[int]:
     if array.ndim != 1:
         raise error(f"{what} must be 1-D, got a {type(array).__name__} of shape {tuple(array.shape)}")
     if isinstance(array, np.ndarray):
@@ -99,10 +117,7 @@ def _array_ids(array: np.ndarray[Any, Any] | torch.Tensor, what: str, error: typ
         read_out = torch.Tensor.tolist
     # The base type's tolist (a subclass may override it), and its result checked (a
     # tensor subclass's __torch_function__ may still answer anything).
-    try:
-        ids = read_out(array)
-    except Exception as exc:  # a tensor kind torch cannot read out
-        raise error(f"{what} cannot be read as block ids: {exc}") from None
+    ids = read_out(array)
     if type(ids) is not list:
         raise error(f"{what} cannot be read as block ids: tolist gave a {type(ids).__name__}")
     return ids
@@ -120,7 +135,7 @@ def require_block_ids(table: Iterable[Any]) -> list[int]:
     if scan(table, 0, False) is not None:  # a list of ints already (in C, without a step per id)
         return table  # type: ignore[return-value]
     ids = []
-    for block in table:
+    for block in _read_out(table, "block_ids", BlockTableError):
         try:
             is_bool = _is_bool(block)
             if not is_bool:
