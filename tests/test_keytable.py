@@ -90,6 +90,12 @@ class TableMachine(RuleBasedStateMachine):
             self.order[k] = k
             self.order_model[k] = k
 
+    @rule(n=st.integers(-1, 300))
+    def reserve(self, n: int) -> None:
+        """A hint that changes no content: the tables then fill (and grow) from it."""
+        self.order.reserve(n)
+        self.ints.reserve(n)
+
     @rule()
     def clear(self) -> None:
         for table, model in ((self.order, self.order_model), (self.ints, self.ints_model)):
@@ -128,6 +134,29 @@ def test_a_million_keys_through_growth_and_churn_stay_findable_in_order(table_ty
     assert list(table) == alive
     assert all(table[k] == value(i) for i, k in enumerate(keys) if k not in gone)
     assert not any(k in table for k in gone)
+
+
+@pytest.mark.parametrize("table_type", [KeyOrder, KeyInts])
+def test_a_reserved_table_fills_without_growing_its_buckets(table_type: type) -> None:
+    value = None if table_type is KeyOrder else 0
+    keys = [i.to_bytes(4, "little") for i in range(4097)]
+    reserved, grown = table_type(), table_type()
+    reserved.reserve(5000)
+    for table in (reserved, grown):
+        table.insert_new(keys, value)
+    # The grown table has just doubled its 4,096 buckets and holds the old array while
+    # it moves them; the reserved one was sized once. Same entries in both.
+    assert sys.getsizeof(grown) - sys.getsizeof(reserved) == 4096 * 4
+    assert list(reserved) == list(grown) == keys
+    reserved.reserve(10**6)  # a table holding entries: no effect
+    assert list(reserved) == keys and sys.getsizeof(grown) - sys.getsizeof(reserved) == 4096 * 4
+
+
+def test_reserve_refuses_more_than_a_table_holds() -> None:
+    with pytest.raises(ValueError, match="at most"):
+        KeyInts().reserve(2**40)
+    with pytest.raises(TypeError):
+        KeyOrder().reserve("many")  # type: ignore[arg-type]
 
 
 def test_insert_new_changes_nothing_when_a_key_is_present_or_repeated() -> None:

@@ -609,6 +609,17 @@ table_clear(Table *t, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* Take out the ``done`` newest entries (those an insert appended before it failed). */
+static void
+undo_appended(Table *t, Py_ssize_t done)
+{
+    while (done-- > 0) {
+        Entry *e = ENTRY(t, t->ends[1]);
+        long long ignored;
+        Py_XDECREF(take(t, locate(t, e->key, e->hash), &ignored));
+    }
+}
+
 /* Append every one of ``keys``, all absent and none twice, with ``value``; on a key
  * present or listed twice, KeyError(key) and the table as it was. */
 static PyObject *
@@ -648,14 +659,34 @@ table_insert_new(Table *t, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(keys);
     Py_RETURN_NONE;
 undo:
-    /* The keys appended are the newest entries, in order. */
-    while (done-- > 0) {
-        Entry *e = ENTRY(t, t->ends[1]);
-        long long ignored;
-        Py_XDECREF(take(t, locate(t, e->key, e->hash), &ignored));
-    }
+    undo_appended(t, done); /* the keys appended are the newest entries, in order */
     Py_DECREF(keys);
     return NULL;
+}
+
+/* An empty table about to be filled: its bucket array sized for ``n`` entries at once,
+ * so that it does not grow (and move its buckets) while it fills. */
+static PyObject *
+table_reserve(Table *t, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n > MAX_ENTRIES) {
+        PyErr_Format(PyExc_ValueError, "a key table holds at most %d entries, not %zd", MAX_ENTRIES, n);
+        return NULL;
+    }
+    if (t->count || t->old.heads != NULL || n <= (Py_ssize_t)(t->main.mask + 1))
+        Py_RETURN_NONE;
+    size_t buckets = t->main.mask + 1;
+    while ((Py_ssize_t)buckets < n)
+        buckets *= 2;
+    Buckets sized;
+    if (new_buckets(&sized, buckets) < 0)
+        return NULL;
+    PyMem_Free(t->main.heads);
+    t->main = sized;
+    Py_RETURN_NONE;
 }
 
 /* Set each (key, value) pair of an iterable, as dict.update does. */
@@ -846,6 +877,7 @@ static PyMethodDef table_methods[] = {
     {"insert_new", (PyCFunction)(void (*)(void))table_insert_new, METH_FASTCALL,
      "insert_new(keys, value): append absent keys, all or none"},
     {"update", (PyCFunction)table_update, METH_O, "update(pairs): set each (key, value)"},
+    {"reserve", (PyCFunction)table_reserve, METH_O, "reserve(n): an empty table sized for n entries at once"},
     {"clear", (PyCFunction)table_clear, METH_NOARGS, NULL},
     {"keys", (PyCFunction)table_keys, METH_NOARGS, "an iterator over the keys, oldest first"},
     {"values", (PyCFunction)table_values, METH_NOARGS, "an iterator over the values, oldest first"},
