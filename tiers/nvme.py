@@ -93,7 +93,6 @@ from tiered_kv.tiers.nvme_journal import (
     SlotMap,
     SlotMapFiles,
     forget_record,
-    recovered_chunks,
     write_record,
 )
 from tiered_kv.zeroed import zeroed
@@ -619,15 +618,14 @@ class NvmeTier(DriverBase):
         )
 
     def _restore(self) -> tuple[SlotMapFiles, SlotMap]:
-        """In a driver thread: recover the journal, fill the slot map from it, build the
-        map :meth:`recovered` hands out."""
+        """In a driver thread: recover the journal and the map :meth:`recovered` hands
+        out, and fill the slot map from it."""
         try:
-            files, found = self._journal.recover()
+            files, found, self._recovered = self._journal.recover()
         except OSError as exc:
             raise tier_error(self.name, f"reading the slot map of {self.directory}", exc) from exc
         np.frombuffer(self._keys, dtype="V16")[found.slots] = found.keys
         np.frombuffer(self._live, dtype=np.uint8)[found.slots] = 1
-        self._recovered = recovered_chunks(found)
         return files, found
 
     def _commit(self, records: bytes) -> None:

@@ -312,9 +312,10 @@ def _whose(found: Identity, wanted: tuple[bytes | None, int, int | None]) -> str
     return f"another slot size ({found.slot_bytes} bytes)"
 
 
-def replay(records: np.ndarray, num_slots: int) -> SlotMap:
+def replay(records: np.ndarray, num_slots: int, *, unique: bool = True) -> SlotMap:
     """The live entries of ``records`` applied in order (a slot's last record wins) in a
-    tier of ``num_slots`` slots, one slot per key."""
+    tier of ``num_slots`` slots, one slot per key (the lowest slot of a key listed for
+    more); not ``unique``, as listed (see :func:`one_slot_per_key`)."""
     slots, live, keys = records["slot"], records["live"], records["key"]
     listed = int(np.count_nonzero(live == 1))
     if len(slots) > 1 and not bool(np.all(slots[1:] > slots[:-1])):  # not a checkpoint's ascending list
@@ -327,14 +328,22 @@ def replay(records: np.ndarray, num_slots: int) -> SlotMap:
     else:
         pick = np.flatnonzero(slots < num_slots)
     pick = pick[live[pick] == 1]
-    slots, keys = slots[pick], keys[pick]
+    found = SlotMap(slots=slots[pick], keys=keys[pick], dropped=listed - len(pick))
+    return one_slot_per_key(found) if unique else found
+
+
+def one_slot_per_key(found: SlotMap) -> SlotMap:
+    """``found`` with each key in its lowest slot only (its slots ascend), the others
+    counted dropped. Sorts the keys: :meth:`Journal.recover` first builds the key map,
+    which tells whether any key is listed twice, and calls this only then."""
+    slots, keys = found.slots, found.keys
     if len(keys) > 1:
         heads = np.sort(keys.view(np.uint64)[::2])
         if bool(np.any(heads[1:] == heads[:-1])):  # maybe a key listed for two slots: keep one
             _, first = np.unique(keys, return_index=True)
             keep = np.sort(first)
-            slots, keys = slots[keep], keys[keep]
-    return SlotMap(slots=slots, keys=keys, dropped=listed - len(slots))
+            return SlotMap(slots=slots[keep], keys=keys[keep], dropped=found.dropped + len(slots) - len(keep))
+    return found
 
 
 def recovered_chunks(slot_map: SlotMap) -> KeyInts:
@@ -371,12 +380,17 @@ class Journal:
         self._end = self._frames = self._records = 0
         self._stale = False
 
-    def recover(self) -> tuple[SlotMapFiles, SlotMap]:
-        """Replay the files, then make them appendable: a torn tail is cut off; anything
-        else amiss (no files yet, a stale or foreign file, dropped entries) is rewritten
-        as a new generation of what was recovered."""
+    def recover(self) -> tuple[SlotMapFiles, SlotMap, KeyInts]:
+        """Replay the files and build the key → slot map of what they list; then make them
+        appendable: a torn tail is cut off; anything else amiss (no files yet, a stale or
+        foreign file, dropped entries) is rewritten as a new generation of what was
+        recovered."""
         files = self._read()
-        found = replay(files.records, self._num_slots)
+        found = replay(files.records, self._num_slots, unique=False)
+        chunks = recovered_chunks(found)
+        if len(chunks) != len(found.slots):  # a key listed for two slots: its lowest stays
+            found = one_slot_per_key(found)
+            chunks = recovered_chunks(found)
         if files.appendable and not files.problems and not found.dropped:
             self._fd = open_file(self._dir_fd, self._name, str(self._directory / self._name), os.O_RDWR)
             self._generation = files.generation
@@ -386,7 +400,7 @@ class Journal:
                 os.fsync(self._fd)
         else:
             self._rewrite(files.generation + 1, found)
-        return files, found
+        return files, found, chunks
 
     def commit(self, records: bytes, data_fd: int) -> None:
         """Make ``records`` durable: sync the slots file open as ``data_fd`` (the bytes
