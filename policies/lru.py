@@ -9,7 +9,7 @@ from typing import cast
 
 from tiered_kv._keytable import KeyOrder
 from tiered_kv.keys import ChunkKey
-from tiered_kv.policies._checks import add_new, check_capacity, check_count, duplicate
+from tiered_kv.policies._checks import add_new, check_capacity, check_count
 from tiered_kv.policies.prefix import PrefixLinks
 
 #: Marks "not in the order" where a predecessor (a key or ``None``) is expected.
@@ -52,12 +52,8 @@ class LRU:
         return f"<LRU {len(self)}/{self.capacity} parked={self._links.parked()}>"
 
     def insert(self, key: ChunkKey, parent: ChunkKey | None = None) -> None:
-        order = self._order
-        if key in order or self._links.is_parked(key):
-            raise duplicate(key)
-        if parent is not None:
-            self._links.link(key, parent)
-        order[key] = parent
+        """A key becomes resident, the most recently used. In C."""
+        self._lists.lru_insert(key, parent)
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         add_new(self._order, keys, None, self._links.is_parked)

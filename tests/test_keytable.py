@@ -25,6 +25,7 @@ class TableMachine(RuleBasedStateMachine):
         super().__init__()
         self.order, self.order_model = KeyOrder(), OrderedDict[bytes, bytes | None]()
         self.ints, self.ints_model = KeyInts(), OrderedDict[bytes, int]()
+        self.dying = 0  # entries a clear_in_steps took out and has not let go of yet
 
     @rule(key=KEYS, value=st.one_of(st.none(), KEYS), number=st.integers(-(2**63), 2**63 - 1))
     def set(self, key: bytes, value: bytes | None, number: int) -> None:
@@ -101,6 +102,18 @@ class TableMachine(RuleBasedStateMachine):
         for table, model in ((self.order, self.order_model), (self.ints, self.ints_model)):
             table.clear()
             model.clear()
+        self.dying = 0
+
+    @rule(n=st.integers(1, 30))
+    def clear_in_steps(self, n: int) -> None:
+        """A step of a clear: the first empties the table; each lets go of at most n."""
+        assert len(self.order_model) == len(self.ints_model)
+        if not self.dying:
+            self.dying = len(self.order_model)
+            self.order_model.clear()
+            self.ints_model.clear()
+        self.dying = max(0, self.dying - n)
+        assert self.order.clear_in_steps(n) is self.ints.clear_in_steps(n) is (self.dying > 0)
 
     @invariant()
     def same_as_the_model(self) -> None:
@@ -239,6 +252,44 @@ def test_the_tables_hold_one_reference_per_key_and_value_and_drop_them() -> None
         del table
         gc.collect()
         assert (sys.getrefcount(key), sys.getrefcount(value)) == before
+
+
+@pytest.mark.parametrize("end", ["stepped to the end", "dropped midway", "cleared midway"])
+def test_a_clear_in_steps_lets_go_of_a_step_of_references_per_call_and_of_all_in_the_end(end: str) -> None:
+    keys = [i.to_bytes(20, "little") for i in range(100)]
+    values = [i.to_bytes(24, "little") for i in range(100)]
+    before = [sys.getrefcount(k) for k in keys] + [sys.getrefcount(v) for v in values]
+
+    def held() -> int:
+        return sum(sys.getrefcount(k) for k in keys) + sum(sys.getrefcount(v) for v in values) - sum(before)
+
+    table = KeyOrder()
+    for k, v in zip(keys, values, strict=True):
+        table[k] = v
+    for k in keys[::3]:  # entries on the free list, which the steps pass over
+        del table[k]
+    del k, v
+    live = len(table)
+    assert table.clear_in_steps(10) is True
+    assert len(table) == 0 and list(table) == [] and keys[1] not in table  # empty at once
+    assert held() == 2 * (live - 10)
+    table[b"new"] = None  # usable meanwhile; the steps go on with what was taken out
+    if end == "stepped to the end":
+        while table.clear_in_steps(10):
+            pass
+        assert list(table) == [b"new"]
+    elif end == "cleared midway":
+        table.clear()
+    del table
+    gc.collect()
+    assert held() == 0
+
+
+def test_a_clear_in_steps_takes_a_positive_step() -> None:
+    for n in (0, -1):
+        with pytest.raises(ValueError, match="positive"):
+            KeyInts().clear_in_steps(n)
+    assert KeyInts().clear_in_steps(1) is False  # nothing to let go of
 
 
 def test_the_tables_stay_out_of_the_garbage_collector() -> None:

@@ -158,6 +158,14 @@ def ref_arc_insert(arc: ARC, key: Key, parent: Key | None) -> None:
                 b2.pop_oldest()
 
 
+def ref_lru_insert(lru: LRU, key: Key, parent: Key | None) -> None:
+    order, links = lru._order, lru._links
+    if key in order or links.is_parked(key):
+        raise PolicyError(f"key {key.hex()} is already resident")
+    links.link(key, parent)
+    order[key] = parent
+
+
 def ref_touch(policy: LRU | ARC, key: Key) -> None:
     last = policy._t2 if isinstance(policy, ARC) else policy._order
     if key in last:
@@ -183,6 +191,8 @@ def insert(policy: LRU | ARC, key: Key, parent: Key | None, reference: bool) -> 
     try:
         if reference and isinstance(policy, ARC):
             ref_arc_insert(policy, key, parent)
+        elif reference:
+            ref_lru_insert(policy, key, parent)
         else:
             policy.insert(key, parent)
     except PolicyError as exc:
@@ -229,18 +239,25 @@ def test_the_c_steps_decide_as_the_python_ones_did(make: type[LRU | ARC], seed: 
         assert state(fast) == state(ref)
 
 
-def test_an_arc_insert_of_a_resident_key_raises_and_changes_nothing() -> None:
-    arc = ARC(4)
-    arc.insert(chunk_key(0))
-    arc.insert(chunk_key(1), chunk_key(0))
-    before = state(arc)
-    with pytest.raises(PolicyError, match="already resident"):
-        arc.insert(chunk_key(1), chunk_key(0))
+@pytest.mark.parametrize("make", [LRU, ARC])
+def test_an_insert_of_a_resident_key_raises_and_changes_nothing(make: type[LRU | ARC]) -> None:
+    policy = make(4)
+    policy.insert(chunk_key(0))
+    policy.insert(chunk_key(1), chunk_key(0))
+    policy.insert(chunk_key(2), chunk_key(1))
+    assert policy.evict(1, lambda key: False) == [chunk_key(2)]
+    assert policy._links.is_parked(chunk_key(0))  # walked past with a successor: resident still
+    before = state(policy)
+    for resident in (chunk_key(1), chunk_key(0)):
+        with pytest.raises(PolicyError, match="already resident"):
+            policy.insert(resident, chunk_key(3))
     with pytest.raises(PolicyError, match="own predecessor"):
-        arc.insert(chunk_key(2), chunk_key(2))
+        policy.insert(chunk_key(3), chunk_key(3))
     with pytest.raises(TypeError):
-        arc.insert("not bytes")  # type: ignore[arg-type]
-    assert state(arc) == before
+        policy.insert("not bytes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        policy.insert(chunk_key(3), "not bytes")  # type: ignore[arg-type]
+    assert state(policy) == before
 
 
 def test_a_protected_check_that_changes_the_lists_stops_the_eviction() -> None:
@@ -266,6 +283,8 @@ def test_prefix_lists_checks_its_tables() -> None:
         PrefixLists((order,), (3,), counts, {}, [0])
     with pytest.raises(TypeError, match="two lists"):
         PrefixLists((order,), (0,), counts, {}, [0]).arc_insert(chunk_key(0))
+    with pytest.raises(TypeError, match="one list"):
+        PrefixLists((order, KeyOrder()), (0, 1), counts, {}, [0, 0]).lru_insert(chunk_key(0))
     # Tables a policy broke are errors, never reads out of bounds.
     with pytest.raises(TypeError, match="parked entry"):
         PrefixLists((order,), (0,), counts, {chunk_key(1): "not a pair"}, [0]).touch(chunk_key(1))

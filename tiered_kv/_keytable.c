@@ -71,6 +71,13 @@ typedef struct {
     int32_t ends[2]; /* the oldest (0) and newest (1) entry */
     uint64_t version; /* changes whenever keys or their order change */
     int ints;
+    /* The pages of entries a clear_in_steps() took out, whose references are dropped a
+     * step at a time: entries 1..dying_top, the next to go at dying_next. */
+    Entry **dying;
+    Py_ssize_t ndying;
+    int32_t dying_room; /* entries they hold room for */
+    int32_t dying_top;
+    int32_t dying_next;
 } Table;
 
 static PyTypeObject KeyOrderType;
@@ -365,9 +372,37 @@ set_item(Table *t, PyObject *key, PyObject *value)
     return 0;
 }
 
+/* Drop the references of up to ``n`` entries a clear_in_steps() took out (all: n < 0);
+ * their pages are freed after the last. */
+static void
+drop_dying(Table *t, Py_ssize_t n)
+{
+    for (; t->dying != NULL && t->dying_next <= t->dying_top; t->dying_next++) {
+        int32_t i = t->dying_next - 1;
+        Entry *e = &t->dying[i >> PAGE_BITS][i & PAGE_MASK];
+        if (e->key == NULL)
+            continue; /* on the free list */
+        if (n-- == 0)
+            break; /* at a live entry: none is left only once the walk has ended */
+        PyObject *key = e->key, *obj = t->ints ? NULL : e->value.obj;
+        e->key = NULL;
+        Py_DECREF(key); /* bytes, and bytes or None: no code runs */
+        Py_XDECREF(obj);
+    }
+    if (t->dying != NULL && t->dying_next > t->dying_top) {
+        for (Py_ssize_t p = 0; p < t->ndying; p++)
+            PyMem_Free(t->dying[p]);
+        PyMem_Free(t->dying);
+        t->dying = NULL;
+        t->ndying = 0;
+        t->dying_room = t->dying_top = t->dying_next = 0;
+    }
+}
+
 static void
 release_all(Table *t)
 {
+    drop_dying(t, -1);
     for (int32_t i = t->ends[0]; i;) {
         Entry *e = ENTRY(t, i);
         i = e->link[1];
@@ -664,6 +699,44 @@ undo:
     return NULL;
 }
 
+/* clear() in steps: the first call takes every entry out at once (the table is empty
+ * and usable from then on) and each call, that one included, drops the references of at
+ * most ``n`` of the entries taken out; true while some are left. */
+static PyObject *
+table_clear_in_steps(Table *t, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n <= 0) {
+        PyErr_SetString(PyExc_ValueError, "clear_in_steps() takes a positive number of entries");
+        return NULL;
+    }
+    if (t->dying == NULL && t->count) {
+        Buckets fresh; /* first: out of memory leaves the table as it was */
+        if (new_buckets(&fresh, FIRST_BUCKETS) < 0)
+            return NULL;
+        t->dying = t->pages;
+        t->ndying = t->npages;
+        t->dying_room = t->room;
+        t->dying_top = t->top;
+        t->dying_next = 1;
+        PyMem_Free(t->main.heads);
+        PyMem_Free(t->old.heads);
+        t->main = fresh;
+        t->old.heads = NULL;
+        t->moved = 0;
+        t->pages = NULL;
+        t->npages = t->pages_cap = 0;
+        t->top = t->free = t->room = 0;
+        t->count = 0;
+        t->ends[0] = t->ends[1] = 0;
+        t->version++;
+    }
+    drop_dying(t, n);
+    return PyBool_FromLong(t->dying != NULL);
+}
+
 /* An empty table about to be filled: its bucket array sized for ``n`` entries at once,
  * so that it does not grow (and move its buckets) while it fills. */
 static PyObject *
@@ -725,6 +798,7 @@ table_sizeof(Table *t, PyObject *unused)
                + (t->main.mask + 1) * sizeof(int32_t);
     if (t->old.heads != NULL)
         n += (t->old.mask + 1) * sizeof(int32_t);
+    n += t->ndying * sizeof(Entry *) + (size_t)t->dying_room * sizeof(Entry);
     return PyLong_FromSize_t(n);
 }
 
@@ -879,6 +953,8 @@ static PyMethodDef table_methods[] = {
     {"update", (PyCFunction)table_update, METH_O, "update(pairs): set each (key, value)"},
     {"reserve", (PyCFunction)table_reserve, METH_O, "reserve(n): an empty table sized for n entries at once"},
     {"clear", (PyCFunction)table_clear, METH_NOARGS, NULL},
+    {"clear_in_steps", (PyCFunction)table_clear_in_steps, METH_O,
+     "clear_in_steps(n): clear() letting go of at most n entries per call; true while some are left"},
     {"keys", (PyCFunction)table_keys, METH_NOARGS, "an iterator over the keys, oldest first"},
     {"values", (PyCFunction)table_values, METH_NOARGS, "an iterator over the values, oldest first"},
     {"items", (PyCFunction)table_items, METH_NOARGS, "an iterator over (key, value), oldest first"},
@@ -1096,6 +1172,61 @@ unlink_parent(Lists *l, PyObject *parent)
     return 0;
 }
 
+/* -- inserts ------------------------------------------------------------------------- */
+
+/* An insert's checks and prefix link: ``key`` (its hash known) resident nowhere, ``parent``
+ * (or None) not the key itself, counted as continued once more. 0, or -1 with an error
+ * (the policy's contract broken) and nothing changed. */
+static int
+link_new(Lists *l, PyObject *key, Py_hash_t hash, PyObject *parent)
+{
+    int resident = PyDict_Contains(l->parked, key);
+    if (resident < 0)
+        return -1;
+    for (int i = 0; !resident && i < l->nlists; i++)
+        resident = entry_of(l->lists[i], key, hash) != 0;
+    if (resident) {
+        contract_error(l, "key %U is already resident", key);
+        return -1;
+    }
+    if (parent == Py_None)
+        return 0;
+    if (same_key(parent, key)) {
+        contract_error(l, "key %U cannot be its own predecessor", key);
+        return -1;
+    }
+    Py_hash_t parent_hash = PyObject_Hash(parent);
+    if (parent_hash == -1)
+        return -1;
+    int32_t i = entry_of(l->successors, parent, parent_hash);
+    if (i)
+        ENTRY(l->successors, i)->value.num++;
+    else if (append_new(l->successors, parent, parent_hash, NULL, 1) < 0)
+        return -1;
+    return 0;
+}
+
+/* LRU's insert of a new key continuing ``parent``: the newest of its one list. */
+static PyObject *
+lists_lru_insert(Lists *l, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_count("lru_insert", nargs, 1, 2) < 0)
+        return NULL;
+    PyObject *key = args[0], *parent = nargs > 1 ? args[1] : Py_None;
+    if (l->nlists != 1) {
+        PyErr_SetString(PyExc_TypeError, "lru_insert() needs one list");
+        return NULL;
+    }
+    if (check_key(key) < 0 || (parent != Py_None && check_key(parent) < 0))
+        return NULL;
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1 || link_new(l, key, hash, parent) < 0)
+        return NULL;
+    if (append_new(l->lists[0], key, hash, parent, 0) < 0)
+        return NULL; /* the successor count is off by one: as in arc_insert */
+    Py_RETURN_NONE;
+}
+
 /* -- ARC's insert -------------------------------------------------------------------- */
 
 /* ARC's insert of a new key continuing ``parent`` (see policies/arc.py). */
@@ -1115,23 +1246,8 @@ lists_arc_insert(Lists *l, PyObject *const *args, Py_ssize_t nargs)
     if (hash == -1)
         return NULL;
     Table *t1 = l->lists[0], *t2 = l->lists[1], *b1 = l->ghosts[0], *b2 = l->ghosts[1];
-    int parked = PyDict_Contains(l->parked, key);
-    if (parked < 0)
+    if (link_new(l, key, hash, parent) < 0)
         return NULL;
-    if (parked || entry_of(t1, key, hash) || entry_of(t2, key, hash))
-        return contract_error(l, "key %U is already resident", key);
-    if (parent != Py_None) {
-        if (same_key(parent, key))
-            return contract_error(l, "key %U cannot be its own predecessor", key);
-        Py_hash_t parent_hash = PyObject_Hash(parent);
-        if (parent_hash == -1)
-            return NULL;
-        int32_t i = entry_of(l->successors, parent, parent_hash);
-        if (i)
-            ENTRY(l->successors, i)->value.num++;
-        else if (append_new(l->successors, parent, parent_hash, NULL, 1) < 0)
-            return NULL;
-    }
     PyObject *ghost;
     long long ignored;
     Table *into = t2;
@@ -1690,6 +1806,8 @@ static PyMethodDef lists_methods[] = {
     {"evict", (PyCFunction)(void (*)(void))lists_evict, METH_FASTCALL,
      "evict(n, protected): n (> 1) victims, taken out, or None changing nothing"},
     {"touch", (PyCFunction)lists_touch, METH_O, "touch(key): a hit; key becomes the newest of the last list"},
+    {"lru_insert", (PyCFunction)(void (*)(void))lists_lru_insert, METH_FASTCALL,
+     "lru_insert(key, parent=None): LRU's insert of a new key"},
     {"arc_insert", (PyCFunction)(void (*)(void))lists_arc_insert, METH_FASTCALL,
      "arc_insert(key, parent=None): ARC's insert of a new key"},
     {NULL, NULL},

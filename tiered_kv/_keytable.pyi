@@ -40,6 +40,11 @@ class _Table(Generic[V]):
         once, so that it does not grow in steps (moving its buckets) as it fills. No
         effect on a table that holds entries."""
     def clear(self) -> None: ...
+    def clear_in_steps(self, n: int, /) -> bool:
+        """:meth:`clear` in steps: the first call takes every entry out at once (the
+        table is empty, and usable, from then on) and each call drops the references of
+        at most ``n`` of the entries taken out; true while some are left. A table that
+        is dropped, or cleared, meanwhile lets go of the rest at once."""
     def keys(self) -> Iterator[bytes]: ...
     def values(self) -> Iterator[V]: ...
     def items(self) -> Iterator[tuple[bytes, V]]: ...
@@ -79,6 +84,9 @@ class PrefixLists:
     def touch(self, key: bytes, /) -> None:
         """A hit on resident ``key``: the newest of the last list (LRU's only list, ARC's
         T2), taken from the first list or out of the parked keys."""
+    def lru_insert(self, key: bytes, parent: bytes | None = None, /) -> None:
+        """LRU's insert of a key not resident: the newest of the one list, continuing
+        ``parent``."""
     def arc_insert(self, key: bytes, parent: bytes | None = None, /) -> None:
         """ARC's insert of a key not resident: a ghost hit adapts :attr:`target` and goes to
         the second list, a new key to the first, trimming the ghosts (case IV)."""

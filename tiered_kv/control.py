@@ -249,6 +249,9 @@ class NvmeWrite:
     chunks: list[tuple[ChunkKey, int, int]]
     #: cpu chunks pinned while their bytes are written (released on completion).
     pinned: list[ChunkKey]
+    #: Those of ``chunks`` that are tenants' (a namespace other than the pool's model): a
+    #: warm restart knows no tenants, so the store must not bring them back.
+    tenants: set[ChunkKey] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(slots=True)
@@ -711,6 +714,7 @@ class ControlPlane:
         room for are left out."""
         assert pool.nvme is not None
         planned: list[tuple[ChunkKey, int, int]] = []
+        tenants: set[ChunkKey] = set()
         for owner, namespace in dict.fromkeys((chunk.owner, chunk.namespace) for chunk in chunks):
             mine = [(c.key, c.slot) for c in chunks if (c.owner, c.namespace) == (owner, namespace)]
             parents = {c.key: c.parent for c in chunks}
@@ -722,9 +726,11 @@ class ControlPlane:
                 continue
             self._evicted(pool, "nvme", reservation.evicted)
             planned += [(key, slot, reservation.slots[key]) for key, slot in mine]
+            if namespace != pool.fingerprint:
+                tenants.update(key for key, _ in mine)
         if not planned:
             return None
-        return NvmeWrite(pool, planned, pinned)
+        return NvmeWrite(pool, planned, pinned, tenants)
 
     def complete_nvme_write(self, write: NvmeWrite, ok: bool) -> list[int]:
         """The write finished (READY on nvme) or failed or was cancelled (dropped); the

@@ -1189,20 +1189,13 @@ class TieredKV:
         dropped. ``own_turn``: first let the loop run what else is ready."""
         drivers = self._drivers[write.pool.id]
         assert drivers.nvme is not None
-        index, model = write.pool.nvme, write.pool.fingerprint
-        assert index is not None
         ok = False
         try:
             if own_turn:
                 await asyncio.sleep(0)
+            tenants, view = write.tenants, drivers.cpu.view
             ops = [
-                TransferOp(
-                    buffer=drivers.cpu.view(cpu_slot),
-                    key=key,
-                    slot=nvme_slot,
-                    # A warm restart knows no tenants: only the model's own chunks come back.
-                    restorable=index.namespace(key) == model,
-                )
+                TransferOp(buffer=view(cpu_slot), key=key, slot=nvme_slot, restorable=key not in tenants)
                 for key, cpu_slot, nvme_slot in write.chunks
             ]
             async with self._disk_gate.hold(STORE_PRIORITY):
