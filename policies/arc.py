@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 from tiered_kv._keytable import KeyOrder
@@ -81,6 +81,12 @@ class ARC:
     def touch(self, key: ChunkKey) -> None:
         """A hit makes ``key`` the newest of T2 (from T1, or parked). In C."""
         self._lists.touch(key)
+
+    def clear_in_steps(self) -> Iterator[None]:
+        """Forget every key and ghost, a step at a time (a closing manager's); empty, its
+        target back at 0, after the first."""
+        self._lists.target = 0.0
+        return self._links.clear_in_steps(self._t1, self._t2, self._b1.table, self._b2.table)
 
     @property
     def target(self) -> float:

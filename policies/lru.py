@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 from tiered_kv._keytable import KeyOrder
@@ -57,6 +57,10 @@ class LRU:
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         add_new(self._order, keys, None, self._links.is_parked)
+
+    def clear_in_steps(self) -> Iterator[None]:
+        """Forget every key, a step at a time (a closing manager's); empty after the first."""
+        return self._links.clear_in_steps(self._order)
 
     def remove(self, key: ChunkKey) -> None:
         self._links.unlink(key, self._take_out(key))

@@ -19,12 +19,13 @@ S3-FIFO its queues with :class:`Victims`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from tiered_kv._keytable import KeyInts, KeyOrder, PrefixLists
 from tiered_kv.errors import PolicyError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import missing
+from tiered_kv.release import cleared
 
 #: ``release(key, place, parent)``: put a parked key back at the old end of list ``place``.
 Release = Callable[[ChunkKey, int, "ChunkKey | None"], None]
@@ -49,6 +50,13 @@ class PrefixLinks:
         self._parked_at = [0] * places
         self._release = release
         self.is_parked: Callable[[object], bool] = self._parked.__contains__
+
+    def clear_in_steps(self, *tables: KeyInts | KeyOrder) -> Iterator[None]:
+        """Forget every link and parked key, and clear the policy's ``tables`` with them,
+        a step at a time (see :func:`tiered_kv.release.cleared`)."""
+        self._parked.clear()
+        self._parked_at[:] = [0] * len(self._parked_at)
+        return cleared(*tables, self._successors)
 
     def parked(self, place: int | None = None) -> int:
         """Parked keys (from list ``place``, or from all)."""

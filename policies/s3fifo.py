@@ -17,13 +17,14 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from tiered_kv._keytable import KeyInts, KeyOrder
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import add_new, check_capacity, check_count, check_new, duplicate, missing
 from tiered_kv.policies.ghost import GhostQueue
 from tiered_kv.policies.prefix import PrefixLinks, Victims
+from tiered_kv.release import emptied
 
 #: State bit: the key lives in the main queue (else in the small one).
 _MAIN = 4
@@ -113,6 +114,15 @@ class S3FIFO:
             state[key] = 0
             self._small.append(key)
             self._n_small += 1
+
+    def clear_in_steps(self) -> Iterator[None]:
+        """Forget every key and ghost, a step at a time (a closing manager's); empty after
+        the first. The queues, which hold the keys' last references, go last."""
+        queues, self._small, self._main = (self._small, self._main), deque(), deque()
+        self._n_small = 0
+        yield from self._links.clear_in_steps(self._state, self._parents, self._ghost.table)
+        for queue in queues:
+            yield from emptied(queue)
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         if self._ghost.size():  # a key may be a ghost, which insert moves to main

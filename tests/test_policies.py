@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tiered_kv import release
+from tiered_kv.interfaces import SteppedClearPolicy
 from tiered_kv.policies import ARC, LRU, S3FIFO
 from tiered_kv.registry import POLICIES
 from tiered_kv.testing import CachePolicyContract, chunk_key, policy_state_machine
@@ -237,3 +239,30 @@ def test_arcs_capacity_cannot_change_under_its_c_steps() -> None:
     with pytest.raises(AttributeError):
         arc.capacity = 4  # type: ignore[misc]
     assert arc.capacity == 2
+
+
+@pytest.mark.parametrize("maker", [LRU, ARC, S3FIFO])
+def test_a_policy_cleared_in_steps_is_empty_after_the_first_and_works_as_new(
+    maker: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a closing manager does to its policies (tiered_kv/release.py): every key,
+    ghost, prefix link and parked key goes, a few at a time."""
+    monkeypatch.setattr(release, "STEP", 7)
+    policy = maker(64)
+    for chain in range(20):  # chains of 4: links, and parked keys after the evictions
+        for j in range(4):
+            policy.insert(chunk_key(chain * 4 + j), chunk_key(chain * 4 + j - 1) if j else None)
+        if len(policy) > 48:
+            assert policy.evict(8, never) is not None
+    for i in range(0, 80, 5):
+        if chunk_key(i) in policy:
+            policy.touch(chunk_key(i))
+    assert isinstance(policy, SteppedClearPolicy)
+    steps = policy.clear_in_steps()
+    next(steps)
+    assert len(policy) == 0 and not any(chunk_key(i) in policy for i in range(80))
+    assert sum(1 for _ in steps) >= 40 // 7  # the rest, a step at a time
+    assert policy.evict(1, never) is None
+    for i in range(64):  # the same keys again, as new: nothing of them is left behind
+        policy.insert(chunk_key(i), chunk_key(i - 1) if i % 4 else None)
+    assert len(policy) == 64 and len(drain(policy)) == 64

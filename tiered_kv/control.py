@@ -352,6 +352,16 @@ class ControlPlane:
         for pool in self._by_base.pop(base.fingerprint_hex, []):
             del self.pools[pool.id]
 
+    def close_pools(self) -> Iterator[None]:
+        """Forget every pool, letting go of their indexes' records and policies' keys a
+        step at a time (yielding between steps): a closed manager's."""
+        pools = list(self.pools.values())
+        self.pools.clear()
+        self._by_base.clear()
+        for pool in pools:
+            for index in pool.indexes():
+                yield from index.clear_in_steps()
+
     def begin_restore(self, pool: Pool, chunks: KeyInts | None = None) -> None:
         """Start a warm restart of what a reopened nvme store holds: :meth:`restore` each
         batch, then :meth:`restored`. ``chunks`` (key → slot of all of it) is taken over

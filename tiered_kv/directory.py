@@ -21,6 +21,7 @@ from tiered_kv._keytable import KeyInts, Protection, SlotRecords
 from tiered_kv.errors import TieredKVError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.partition import TierPartition, Unrestored
+from tiered_kv.release import cleared
 from tiered_kv.slots import SlotAllocator
 from tiered_kv.zeroed import zeroed
 
@@ -563,6 +564,14 @@ class TierIndex:
         if slot is None:
             raise TieredKVError(f"{self.tier}: chunk {key.hex()} is not resident")
         return slot
+
+    def clear_in_steps(self) -> Iterator[None]:
+        """Let go of every chunk's record and every policy's keys, a step at a time: a
+        closing manager's, so that a million chunks are never freed in one step of its
+        loop. The index is of no use after."""
+        yield from cleared(self._slots)
+        self._other_owner.clear()
+        yield from self._partition.clear_in_steps()
 
     def check(self) -> None:
         """Raise if the index contradicts itself (used by tests after every step)."""

@@ -17,7 +17,7 @@ a sub-range of a chunk without touching the rest.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
@@ -263,6 +263,18 @@ class BulkInsertPolicy(CachePolicy, Protocol):
         """:meth:`~CachePolicy.insert` of each of ``keys`` in turn, with no predecessor;
         changes nothing and raises :class:`~tiered_kv.errors.PolicyError` if one is
         resident already or listed twice."""
+        ...
+
+
+@runtime_checkable
+class SteppedClearPolicy(CachePolicy, Protocol):
+    """A policy that can forget every key a step at a time, which a closing manager uses
+    so that a million keys are never let go of in one step of its event loop; a policy
+    without it is let go of as it is."""
+
+    def clear_in_steps(self) -> Iterator[None]:
+        """Forget every key, yielding between steps (each well under a millisecond):
+        empty after the first."""
         ...
 
 

@@ -272,6 +272,8 @@ class TieredKV:
         self._shut_down_began = False
         #: Set once every driver is closed: what failed to close.
         self._close_failures: list[BaseException] | None = None
+        #: What :meth:`statistics` says once closed: the figures when the drivers had closed.
+        self._closed_statistics: Statistics | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> TieredKV:
@@ -350,6 +352,13 @@ class TieredKV:
         # closed below) or fails and closes what it opened.
         await wait_out(self._opening.values())
         self._close_failures = await _close_drivers(self._all_drivers())
+        self._closed_statistics = self.statistics()
+        # A closed manager holds nothing: its indexes and policies let go of their keys a
+        # step at a time, never a million in one step of the loop (a cancellation leaves
+        # the rest to be freed with the manager).
+        with contextlib.suppress(asyncio.CancelledError):
+            for _ in self._control.close_pools():
+                await asyncio.sleep(0)
 
     def _check(self) -> None:
         if self._closed:
@@ -1311,6 +1320,10 @@ class TieredKV:
 
     # -- observation -------------------------------------------------------------------
     def statistics(self) -> Statistics:
+        """The tiers' usage, queue depths, drivers' and remote pools' figures, and the
+        telemetry's counters; once closed, those at its close."""
+        if self._closed_statistics is not None:
+            return self._closed_statistics
         tiers, namespaces = self._control.usage()
         queue_depths = {
             "stores": self._store_budget.used,
@@ -1358,7 +1371,8 @@ class TieredKV:
         return self._telemetry.drain_events(max_events)
 
     def check_invariants(self) -> None:
-        """Raise if any residency index contradicts itself (for tests and debugging)."""
+        """Raise if any residency index contradicts itself (for tests and debugging); a
+        closed manager holds none."""
         self._control.verify_invariants()
 
     # -- helpers -----------------------------------------------------------------------

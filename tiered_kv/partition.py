@@ -24,12 +24,12 @@ from __future__ import annotations
 import heapq
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import ConfigError, PolicyError
-from tiered_kv.interfaces import BulkInsertPolicy, CachePolicy
+from tiered_kv.interfaces import BulkInsertPolicy, CachePolicy, SteppedClearPolicy
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policy_factory import make_policy
 
@@ -178,6 +178,16 @@ class TierPartition:
             for key in keys:
                 share.policy.insert(key)
         self._used += len(keys)
+
+    def clear_in_steps(self) -> Iterator[None]:
+        """Let go of every share's keys, a step at a time where the policy can (see
+        :class:`~tiered_kv.interfaces.SteppedClearPolicy`), at once where it cannot: a
+        closing manager's. The partition is of no use after."""
+        shares, self._shares = list(self._shares.values()), {}
+        self._used = 0
+        for share in shares:
+            if isinstance(share.policy, SteppedClearPolicy):
+                yield from share.policy.clear_in_steps()
 
     def touch(self, namespace: str, key: ChunkKey) -> None:
         """Record a hit on ``key``."""
