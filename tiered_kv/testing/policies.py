@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tiered_kv.errors import PolicyError
-from tiered_kv.interfaces import BulkInsertPolicy, CachePolicy
+from tiered_kv.interfaces import BulkInsertPolicy, CachePolicy, SteppedClearPolicy
 from tiered_kv.keys import KEY_BYTES, ChunkKey
 
 PolicyMaker = Callable[[int], CachePolicy]
@@ -130,6 +130,23 @@ class CachePolicyContract:
             assert fresh not in policy and len(policy) == 2
         policy.insert_many([fresh, other])
         assert len(policy) == 4 and {fresh, other} <= set(drain(policy))
+
+    def test_a_policy_cleared_in_steps_is_empty_from_the_first_and_takes_its_keys_again(self) -> None:
+        policy = self.new()
+        if not isinstance(policy, SteppedClearPolicy):
+            pytest.skip(f"{policy.name} cannot be cleared in steps")
+        self.history(policy)
+        insert_chain(policy, [chunk_key(2000), chunk_key(2001)])
+        steps = policy.clear_in_steps()
+        next(steps, None)
+        assert len(policy) == 0 and policy.evict(1, never) is None
+        assert not any(chunk_key(i) in policy for i in (*range(self.capacity), 1000, 2000, 2001))
+        for _ in steps:
+            pass
+        new = self.new()
+        for each in (policy, new):
+            self.history(each)
+        assert drain(policy) == drain(new), "a cleared policy decides as a new one (no key, link or ghost left)"
 
     def test_touching_or_removing_an_absent_key_is_an_error(self) -> None:
         policy = self.filled(3)
