@@ -86,7 +86,7 @@ class ARC:
         """Forget every key and ghost, a step at a time (a closing manager's); empty, its
         target back at 0, after the first."""
         self._lists.target = 0.0
-        return self._links.clear_in_steps(self._t1, self._t2, self._b1.table, self._b2.table)
+        yield from self._links.clear_in_steps(self._t1, self._t2, self._b1.table, self._b2.table)
 
     @property
     def target(self) -> float:

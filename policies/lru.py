@@ -60,7 +60,7 @@ class LRU:
 
     def clear_in_steps(self) -> Iterator[None]:
         """Forget every key, a step at a time (a closing manager's); empty after the first."""
-        return self._links.clear_in_steps(self._order)
+        yield from self._links.clear_in_steps(self._order)
 
     def remove(self, key: ChunkKey) -> None:
         self._links.unlink(key, self._take_out(key))

@@ -53,10 +53,10 @@ class PrefixLinks:
 
     def clear_in_steps(self, *tables: KeyInts | KeyOrder) -> Iterator[None]:
         """Forget every link and parked key, and clear the policy's ``tables`` with them,
-        a step at a time (see :func:`tiered_kv.release.cleared`)."""
+        a step at a time from the first (see :func:`tiered_kv.release.cleared`)."""
         self._parked.clear()
         self._parked_at[:] = [0] * len(self._parked_at)
-        return cleared(*tables, self._successors)
+        yield from cleared(*tables, self._successors)
 
     def parked(self, place: int | None = None) -> int:
         """Parked keys (from list ``place``, or from all)."""

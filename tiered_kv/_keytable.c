@@ -74,7 +74,7 @@ typedef struct {
     /* The pages of entries a clear_in_steps() took out, whose references are dropped a
      * step at a time: entries 1..dying_top, the next to go at dying_next. */
     Entry **dying;
-    Py_ssize_t ndying;
+    Py_ssize_t ndying, dying_cap; /* pages, and room for page pointers */
     int32_t dying_room; /* entries they hold room for */
     int32_t dying_top;
     int32_t dying_next;
@@ -394,7 +394,7 @@ drop_dying(Table *t, Py_ssize_t n)
             PyMem_Free(t->dying[p]);
         PyMem_Free(t->dying);
         t->dying = NULL;
-        t->ndying = 0;
+        t->ndying = t->dying_cap = 0;
         t->dying_room = t->dying_top = t->dying_next = 0;
     }
 }
@@ -699,9 +699,10 @@ undo:
     return NULL;
 }
 
-/* clear() in steps: the first call takes every entry out at once (the table is empty
- * and usable from then on) and each call, that one included, drops the references of at
- * most ``n`` of the entries taken out; true while some are left. */
+/* clear() in steps: a call takes every entry out at once (the table is empty and
+ * usable from then on), unless an earlier call's are still being let go of, and drops
+ * the references of at most ``n`` of those taken out; true while some are left or the
+ * table holds entries (inserted meanwhile: a later call takes them out). */
 static PyObject *
 table_clear_in_steps(Table *t, PyObject *arg)
 {
@@ -718,6 +719,7 @@ table_clear_in_steps(Table *t, PyObject *arg)
             return NULL;
         t->dying = t->pages;
         t->ndying = t->npages;
+        t->dying_cap = t->pages_cap;
         t->dying_room = t->room;
         t->dying_top = t->top;
         t->dying_next = 1;
@@ -734,7 +736,7 @@ table_clear_in_steps(Table *t, PyObject *arg)
         t->version++;
     }
     drop_dying(t, n);
-    return PyBool_FromLong(t->dying != NULL);
+    return PyBool_FromLong(t->dying != NULL || t->count);
 }
 
 /* An empty table about to be filled: its bucket array sized for ``n`` entries at once,
@@ -798,7 +800,7 @@ table_sizeof(Table *t, PyObject *unused)
                + (t->main.mask + 1) * sizeof(int32_t);
     if (t->old.heads != NULL)
         n += (t->old.mask + 1) * sizeof(int32_t);
-    n += t->ndying * sizeof(Entry *) + (size_t)t->dying_room * sizeof(Entry);
+    n += t->dying_cap * sizeof(Entry *) + (size_t)t->dying_room * sizeof(Entry);
     return PyLong_FromSize_t(n);
 }
 

@@ -41,10 +41,12 @@ class _Table(Generic[V]):
         effect on a table that holds entries."""
     def clear(self) -> None: ...
     def clear_in_steps(self, n: int, /) -> bool:
-        """:meth:`clear` in steps: the first call takes every entry out at once (the
-        table is empty, and usable, from then on) and each call drops the references of
-        at most ``n`` of the entries taken out; true while some are left. A table that
-        is dropped, or cleared, meanwhile lets go of the rest at once."""
+        """:meth:`clear` in steps: a call takes every entry out at once (the table is
+        empty, and usable, from then on), unless an earlier call's are still being let
+        go of, and drops the references of at most ``n`` of those taken out; true while
+        some are left or the table holds entries (inserted meanwhile: a later call takes
+        them out), so that ``while table.clear_in_steps(n)`` ends on an empty table. A
+        table that is dropped, or cleared, meanwhile lets go of the rest at once."""
     def keys(self) -> Iterator[bytes]: ...
     def values(self) -> Iterator[V]: ...
     def items(self) -> Iterator[tuple[bytes, V]]: ...

@@ -351,14 +351,17 @@ class TieredKV:
         # A registration still opening pools commits them (and so hands them over to be
         # closed below) or fails and closes what it opened.
         await wait_out(self._opening.values())
-        self._close_failures = await _close_drivers(self._all_drivers())
+        failures = await _close_drivers(self._all_drivers())
         self._closed_statistics = self.statistics()
         # A closed manager holds nothing: its indexes and policies let go of their keys a
-        # step at a time, never a million in one step of the loop (a cancellation leaves
-        # the rest to be freed with the manager).
-        with contextlib.suppress(asyncio.CancelledError):
-            for _ in self._control.close_pools():
-                await asyncio.sleep(0)
+        # step at a time, never a million in one step of the loop. Not while a caller's
+        # load is still in flight (it unpins its chunks when it ends): they are then
+        # freed with the manager, as is what a cancellation leaves.
+        if not self._loads_in_flight:
+            with contextlib.suppress(asyncio.CancelledError):
+                for _ in self._control.close_pools():
+                    await asyncio.sleep(0)
+        self._close_failures = failures  # last: an error before it is the task's, which close raises
 
     def _check(self) -> None:
         if self._closed:
