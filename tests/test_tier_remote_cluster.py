@@ -3,12 +3,15 @@ migrates, ``MOVED`` once it has moved; bytes stay exact throughout."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from conftest import make_namespace
 from remote_support import chunks, empty, open_tier, remote_config, requires_valkey, valkey_cluster
 
 from tiered_kv.interfaces import TransferOp
-from tiered_kv.testing.valkey_server import HOST, ValkeyCluster
+from tiered_kv.testing.valkey_server import HOST, ValkeyCluster, free_port
 from tiered_kv.tiers.remote_format import key_name
 from tiered_kv.tiers.remote_nodes import key_slot
 
@@ -98,3 +101,19 @@ async def _lose_a_node(valkey_cluster: ValkeyCluster) -> None:
                 assert torch.equal(out[i], data[i])
     finally:
         await tier.close()
+
+
+def test_no_port_is_handed_out_twice() -> None:
+    """The kernel's next free port is often one it has just given (141 repeats in 2,000
+    asks on the development VM): two nodes of a cluster then asked for the same port and
+    CI failed with "Address already in use"."""
+    ports = [free_port() for _ in range(2000)]
+    assert len(set(ports)) == len(ports)
+
+
+def test_a_cluster_that_fails_to_start_leaves_no_server_running(tmp_path: Path) -> None:
+    cluster = ValkeyCluster(tmp_path)
+    cluster.nodes[-1].directory = tmp_path / "gone"  # the last node cannot start there
+    with pytest.raises(OSError):
+        cluster.start()
+    assert not any(node.running for node in cluster.nodes)

@@ -50,11 +50,22 @@ def missing() -> str | None:
     return None
 
 
+#: Ports handed out in this process. The kernel's next free port may be one it has just
+#: given (the socket that found it is closed before a server binds it): two servers of a
+#: cluster, or a server and its own cluster bus, then asked for the same port and one
+#: failed to start ("Address already in use" in CI).
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback port nothing listens on now, never handed out before in this process."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((HOST, 0))
+            port: int = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class ValkeyServer:
@@ -203,19 +214,25 @@ class ValkeyCluster:
         return [f"{HOST}:{node.port}" for node in self.nodes]
 
     def start(self, timeout_s: float = 20.0) -> ValkeyCluster:
-        for node in self.nodes:
-            node.start()
-        clients = [node.client(socket_timeout=5) for node in self.nodes]
-        bounds = self._bounds
-        for client, start, end in zip(clients, bounds, bounds[1:], strict=False):
-            client.execute_command("CLUSTER", "ADDSLOTSRANGE", start, end - 1)
-        for node in self.nodes[1:]:
-            clients[0].execute_command("CLUSTER", "MEET", HOST, node.port, node.bus_port)
-        deadline = time.monotonic() + timeout_s
-        while not all(self._ready(client) for client in clients):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the cluster did not reach cluster_state:ok")
-            time.sleep(0.05)
+        """Start the nodes and join them; a start that fails stops those it started (as a
+        ``with`` does not: ``__exit__`` never runs when ``__enter__`` raises)."""
+        try:
+            for node in self.nodes:
+                node.start()
+            clients = [node.client(socket_timeout=5) for node in self.nodes]
+            bounds = self._bounds
+            for client, start, end in zip(clients, bounds, bounds[1:], strict=False):
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", start, end - 1)
+            for node in self.nodes[1:]:
+                clients[0].execute_command("CLUSTER", "MEET", HOST, node.port, node.bus_port)
+            deadline = time.monotonic() + timeout_s
+            while not all(self._ready(client) for client in clients):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the cluster did not reach cluster_state:ok")
+                time.sleep(0.05)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def _ready(self, client: Any) -> bool:
