@@ -44,6 +44,29 @@ TWO_GROUPS = make_namespace(
 TWO_GROUPS_CHUNK = TWO_GROUPS.geometry.chunk_bytes(0) + TWO_GROUPS.geometry.chunk_bytes(1)
 
 
+class LoopTurns:
+    """How often a task of its own got the loop, sleeping ``period`` s at a time, while
+    the ``with`` body ran: whether a step gave the loop back."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self.count = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            self.count += 1
+
+    def __enter__(self) -> LoopTurns:
+        self._task = asyncio.ensure_future(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
 async def test_flush_from_a_tenant_waits_for_stores_reading_those_blocks() -> None:
     harness = await open_harness(config())
     tenant = make_namespace(cache_salt="tenant")
@@ -118,20 +141,10 @@ async def test_a_closing_manager_lets_go_of_its_indexes_a_step_at_a_time_and_rep
     (pool,) = harness.kv._control.pools.values()
     tables = [pool.cpu._slots, pool.nvme._slots]  # type: ignore[union-attr]
     assert [len(table) for table in tables] == [48, 48]
-    turns = 0
-
-    async def count_turns() -> None:
-        nonlocal turns
-        while True:
-            await asyncio.sleep(0)
-            turns += 1
-
-    counter = asyncio.ensure_future(count_turns())
-    before = turns
-    await harness.kv.close()
-    counter.cancel()
+    with LoopTurns(0) as turns:
+        await harness.kv.close()
     assert [len(table) for table in tables] == [0, 0] and not harness.kv._control.pools
-    assert turns - before >= 4 * 48 // 8  # two indexes and their policies, 8 keys a step
+    assert turns.count >= 4 * 48 // 8  # two indexes and their policies, 8 keys a step
     stats = harness.kv.statistics()
     assert [tier.used_chunks for tier in stats.tiers] == [48, 48]  # what it held at close
 
@@ -538,20 +551,11 @@ class _SlowSlabTiers(NullTiers):
 async def test_register_makes_the_cpu_slab_off_the_event_loop() -> None:
     """Allocating (with CUDA: page-locking) the cpu slab is proportional to the tier: the
     loop keeps running other tasks meanwhile (DESIGN invariant 8)."""
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.01)
-            ticks += 1
-
     async with TieredKV(config(nvme_chunks=None), tiers=_SlowSlabTiers()) as kv:
-        task = asyncio.ensure_future(ticker())
-        await asyncio.sleep(0)
-        await kv.register(NS, gpu_tensors())
-        task.cancel()
-        assert ticks >= 5, f"the loop ran {ticks} times in the 0.3 s the slab took"
+        with LoopTurns(0.01) as ticks:
+            await asyncio.sleep(0)
+            await kv.register(NS, gpu_tensors())
+        assert ticks.count >= 5, f"the loop ran {ticks.count} times in the 0.3 s the slab took"
 
 
 async def test_registrations_opening_pools_at_once_share_the_capacity_instead_of_each_taking_it() -> None:

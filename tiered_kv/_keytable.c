@@ -372,6 +372,23 @@ set_item(Table *t, PyObject *key, PyObject *value)
     return 0;
 }
 
+/* The table holds no entry, no page and no bucket array (its pages were freed or
+ * taken elsewhere; a caller that goes on using it gives it buckets). */
+static void
+forget_entries(Table *t)
+{
+    PyMem_Free(t->main.heads);
+    PyMem_Free(t->old.heads);
+    t->pages = NULL;
+    t->npages = t->pages_cap = 0;
+    t->top = t->free = t->room = 0;
+    t->count = 0;
+    t->main.heads = t->old.heads = NULL;
+    t->moved = 0;
+    t->ends[0] = t->ends[1] = 0;
+    t->version++;
+}
+
 /* Drop the references of up to ``n`` entries a clear_in_steps() took out (all: n < 0);
  * their pages are freed after the last. */
 static void
@@ -413,16 +430,7 @@ release_all(Table *t)
     for (Py_ssize_t p = 0; p < t->npages; p++)
         PyMem_Free(t->pages[p]);
     PyMem_Free(t->pages);
-    PyMem_Free(t->main.heads);
-    PyMem_Free(t->old.heads);
-    t->pages = NULL;
-    t->npages = t->pages_cap = 0;
-    t->top = t->free = t->room = 0;
-    t->count = 0;
-    t->main.heads = t->old.heads = NULL;
-    t->moved = 0;
-    t->ends[0] = t->ends[1] = 0;
-    t->version++;
+    forget_entries(t);
 }
 
 /* -- the type ------------------------------------------------------------------------ */
@@ -723,17 +731,8 @@ table_clear_in_steps(Table *t, PyObject *arg)
         t->dying_room = t->room;
         t->dying_top = t->top;
         t->dying_next = 1;
-        PyMem_Free(t->main.heads);
-        PyMem_Free(t->old.heads);
+        forget_entries(t);
         t->main = fresh;
-        t->old.heads = NULL;
-        t->moved = 0;
-        t->pages = NULL;
-        t->npages = t->pages_cap = 0;
-        t->top = t->free = t->room = 0;
-        t->count = 0;
-        t->ends[0] = t->ends[1] = 0;
-        t->version++;
     }
     drop_dying(t, n);
     return PyBool_FromLong(t->dying != NULL || t->count);

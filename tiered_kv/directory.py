@@ -21,7 +21,7 @@ from tiered_kv._keytable import KeyInts, Protection, SlotRecords
 from tiered_kv.errors import TieredKVError
 from tiered_kv.keys import ChunkKey
 from tiered_kv.partition import TierPartition, Unrestored
-from tiered_kv.release import cleared
+from tiered_kv.release import cleared, emptied
 from tiered_kv.slots import SlotAllocator
 from tiered_kv.zeroed import zeroed
 
@@ -570,7 +570,7 @@ class TierIndex:
         closing manager's, so that a million chunks are never freed in one step of its
         loop. The index is of no use after."""
         yield from cleared(self._slots)
-        self._other_owner.clear()
+        yield from emptied(self._other_owner)  # the records hold it too: emptied in place
         yield from self._partition.clear_in_steps()
 
     def check(self) -> None:

@@ -29,9 +29,11 @@ def cleared(*tables: _Table[Any]) -> Iterator[None]:
             yield
 
 
-def emptied(queue: deque[Any]) -> Iterator[None]:
-    """Empty ``queue`` from the left, ``STEP`` items per step, yielding between steps."""
-    while queue:
-        for _ in range(min(STEP, len(queue))):
-            queue.popleft()
+def emptied(items: deque[Any] | dict[Any, Any]) -> Iterator[None]:
+    """Empty ``items`` in place (a deque from the left), ``STEP`` items per step, yielding
+    between steps: others may hold the same object."""
+    pop = items.popleft if isinstance(items, deque) else items.popitem
+    while items:
+        for _ in range(min(STEP, len(items))):
+            pop()
         yield
