@@ -149,6 +149,36 @@ async def test_a_closing_manager_lets_go_of_its_indexes_a_step_at_a_time_and_rep
     assert [tier.used_chunks for tier in stats.tiers] == [48, 48]  # what it held at close
 
 
+async def test_a_closing_index_empties_its_map_of_chunks_counted_in_another_share_in_steps_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``max_tenants`` a tenant's chunks count in another share, which the index
+    remembers per slot: a map that grows with the tier, let go of a step at a time."""
+    monkeypatch.setattr(release, "STEP", 2)
+    harness = await open_harness(config(cpu_chunks=64, nvme_chunks=128), max_tenants=1)
+    for t in range(4):
+        tenant = msgspec.structs.replace(NS, cache_salt=f"t{t}")
+        keys = keys_for(4, start=t * 100, ns=tenant)
+        await harness.kv.store(tenant, request_id=f"t{t}", keys=[keys], block_ids=[blocks_for(4, 4 * K * t)])
+        await harness.kv.finish_request(f"t{t}")
+    await harness.kv.drain()
+    (pool,) = harness.kv._control.pools.values()
+    maps = [pool.cpu._other_owner, pool.nvme._other_owner]  # type: ignore[union-attr]
+    assert [len(m) for m in maps] == [16, 16]
+    seen: set[int] = set()
+
+    async def watch() -> None:
+        while True:
+            seen.update(len(m) for m in maps)
+            await asyncio.sleep(0)
+
+    watcher = asyncio.ensure_future(watch())
+    await harness.kv.close()
+    watcher.cancel()
+    assert maps == [{}, {}]
+    assert seen & set(range(1, 16)), f"emptied in one step: sizes seen {sorted(seen)}"
+
+
 async def test_a_load_in_flight_when_the_manager_closes_still_ends_as_it_would_have() -> None:
     """Its chunks stay pinned in the index until it ends: the index is not let go of
     meanwhile (a review found the load's unpin failing on an index emptied at close)."""
