@@ -52,6 +52,8 @@ def test_the_index_agrees_with_a_model_through_random_operations(seed: int) -> N
             for k in want:
                 model[k] = [PENDING, 0, tenant, -1]
             assert len(set(reservation.slots.values())) == len(want)
+            slots = list(reservation.slots.values())
+            assert slots == sorted(slots), "keys reserved together get ascending slots"
         elif action == 1 and key in model and model[key][0] == PENDING:
             if rng.random() < 0.5:
                 index.mark_ready(key)
@@ -99,6 +101,22 @@ def test_the_index_agrees_with_a_model_through_random_operations(seed: int) -> N
                 ready = entry is not None and entry[0] == READY and entry[2] == tenant
                 assert index.ready_for(k, tenant) is ready
                 assert index.state_for(k, tenant) == (entry[0] if entry is not None and entry[2] == tenant else 0)
+
+
+def test_keys_reserved_together_take_the_slots_of_their_victims_in_ascending_order() -> None:
+    """A prompt's chunks evicted leaves first free their slots in descending order; the
+    next store's keys take them ascending, so that chunks stored together lie in
+    consecutive slots (one copy for the drivers, not one per chunk)."""
+    index, _ = make(8)
+    old = [bytes([1, i]) * 8 for i in range(8)]
+    first = index.reserve(old, TENANTS[0], parents=dict(zip(old, [None, *old[:-1]], strict=True)))
+    assert first is not None
+    index.mark_ready_many(first.slots)
+    new = [bytes([2, i]) * 8 for i in range(8)]
+    reservation = index.reserve(new, TENANTS[0], parents=dict(zip(new, [None, *new[:-1]], strict=True)))
+    assert reservation is not None
+    assert [victim.key for victim in reservation.evicted] == old[::-1]  # leaves first
+    assert list(reservation.slots.values()) == list(range(8))
 
 
 def test_a_reserved_key_must_not_be_resident_and_a_tier_without_leases_refuses_one() -> None:

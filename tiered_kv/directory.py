@@ -351,7 +351,9 @@ class TierIndex:
         more = self._allocator.allocate(len(wanted) - len(reused))
         if more is None:  # pragma: no cover - make_room made exactly enough room
             raise TieredKVError(f"{self.tier}: allocator lost track of free slots")
-        slots = reused + more
+        # In ascending order: the victims come leaves first (their slots often descending),
+        # and keys stored together in consecutive slots are one copy for the drivers.
+        slots = sorted(reused + more)
         reserved = dict(zip(wanted, slots, strict=True))
         try:
             self._occupy_many(wanted, slots, owner, namespace, PENDING, parent_of)
