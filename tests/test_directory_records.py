@@ -66,6 +66,12 @@ class PythonStepsIndex(TierIndex):
     def slots_of(self, keys: Sequence[ChunkKey]) -> list[int]:
         return [self._require(key) for key in keys]
 
+    def ready_run(self, keys: Sequence[ChunkKey], namespace: str, start: int, stop: int) -> int:
+        for i in range(start, stop):
+            if not self.ready_for(keys[i], namespace):
+                return i
+        return stop
+
     def unpin_many(self, keys: Iterable[ChunkKey]) -> None:
         for key in keys:
             slot = self._slots.get(key)
@@ -227,6 +233,9 @@ def one_step(index: TierIndex, action: int, keys: list[ChunkKey], namespace: str
         return index.hit_many([key for key in keys if key in index])
     if action == 7:
         return index.hit_many(keys)
+    if action == 8:
+        start = store["start"]
+        return index.ready_run(keys, namespace, min(start, len(keys)), len(keys))
     return [index.drop(key) for key in keys if key in index and not index.pins(key)]
 
 
@@ -241,7 +250,7 @@ def test_the_c_steps_agree_with_the_python_steps_at_every_step(policy: str, seed
     namespaces = [*OWNERS, "salt-1", "salt-2"]
     first = indexes[0]
     for _ in range(300):
-        action = rng.randrange(9)
+        action = rng.randrange(10)
         keys = rng.sample(universe, rng.randint(0, min(len(universe), capacity + 2)))
         namespace = rng.choice(namespaces)
         store: dict = {}
@@ -263,6 +272,10 @@ def test_the_c_steps_agree_with_the_python_steps_at_every_step(policy: str, seed
             keys = rng.sample(ready, len(ready)) + keys[:1]
         elif action == 5 and rng.random() < 0.7:
             keys = [key for key in keys if key in first and first.pins(key)]
+        elif action == 8:  # a run READY for one namespace, from some position on
+            ready = [key for key in first._slots if first.ready_for(key, namespace)]
+            keys = rng.sample(ready, len(ready)) + keys[: rng.randint(0, 2)]
+            store["start"] = rng.randint(0, 2)
         results = [outcome(functools.partial(one_step, index, action, keys, namespace, store)) for index in indexes]
         assert results[0] == results[1], action
         same_records(*indexes)
@@ -294,6 +307,20 @@ def test_misuse_of_a_batch_raises_the_index_error_naming_the_chunk() -> None:
     with pytest.raises(KeyError):
         index.hit_many([absent])
     index.check()
+
+
+def test_a_ready_run_stops_at_a_value_that_is_not_a_chunk_key_and_refuses_positions_outside_the_keys() -> None:
+    index, keys = resident_index()
+    index.mark_ready_many(keys)
+    assert index.ready_run(keys, OWNERS[0], 0, 4) == 4
+    assert index.ready_run(keys, OWNERS[0], 1, 3) == 3
+    assert index.ready_run([keys[0], "not a key", keys[1]], OWNERS[0], 0, 3) == 1  # type: ignore[list-item]
+    assert index.ready_run([keys[0], [1], keys[1]], OWNERS[0], 0, 3) == 1  # type: ignore[list-item]
+    assert index.ready_run(keys, OWNERS[1], 0, 4) == 0  # another namespace's
+    assert index.ready_run(keys, OWNERS[0], 2, 2) == 2
+    for start, stop in ((-1, 2), (0, 5)):
+        with pytest.raises(IndexError):
+            index.ready_run(keys, OWNERS[0], start, stop)
 
 
 def test_a_run_pinned_past_the_most_pins_takes_its_pins_back() -> None:

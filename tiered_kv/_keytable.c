@@ -2405,6 +2405,41 @@ unpin_first(Records *r, PyObject *seq, Py_ssize_t n)
     }
 }
 
+/* ready_run(keys, ns, start, stop): the first position in ``start`` … ``stop`` − 1 whose key
+ * is not READY for namespace number ``ns`` (``stop`` when all are); the lookup's hot loop. */
+static PyObject *
+records_ready_run(Records *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_count("ready_run", nargs, 4, 4) < 0)
+        return NULL;
+    long long ns = PyLong_AsLongLong(args[1]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t stop = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "ready_run() takes a sequence of keys");
+    if (seq == NULL)
+        return NULL;
+    if (start < 0 || stop > PySequence_Fast_GET_SIZE(seq)) {
+        PyErr_Format(PyExc_IndexError, "positions %zd to %zd are not all in a run of %zd keys", start, stop,
+                     PySequence_Fast_GET_SIZE(seq));
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t i = start;
+    for (; i < stop; i++) {
+        Py_ssize_t slot = slot_of(r, PySequence_Fast_GET_ITEM(seq, i));
+        if (slot == -2) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (slot < 0 || U8(r->state)[slot] != r->ready || U32(r->namespace)[slot] != ns)
+            break;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(i < stop ? i : stop);
+}
+
 /* pin_ready_run(keys, ns): pin the leading run of ``keys`` READY for namespace number
  * ``ns``; how many. A pin past the most a slot counts takes the run's pins back off. */
 static PyObject *
@@ -2634,6 +2669,8 @@ static PyMethodDef records_methods[] = {
     {"occupy", (PyCFunction)(void (*)(void))records_occupy, METH_FASTCALL,
      "occupy(keys, slots, ns, state, parent_of, insert, owner, other): record new keys, each after insert()"},
     {"mark_ready", (PyCFunction)records_mark_ready, METH_O, "mark_ready(keys): PENDING -> READY; their namespaces"},
+    {"ready_run", (PyCFunction)(void (*)(void))records_ready_run, METH_FASTCALL,
+     "ready_run(keys, ns, start, stop): the first position from start not READY for number ns"},
     {"pin_ready_run", (PyCFunction)(void (*)(void))records_pin_ready_run, METH_FASTCALL,
      "pin_ready_run(keys, ns): pin the leading run READY for number ns; how many"},
     {"unpin_many", (PyCFunction)records_unpin_many, METH_O, "unpin_many(keys): one pin off each"},

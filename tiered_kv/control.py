@@ -158,8 +158,8 @@ class Pool:
         the remote tier (the lookup hot path). A key no tier holds ends the run; it and the
         unknown keys after it are queued for a remote probe."""
         start = self.cpu.ready_run(keys, namespace, 0, n)
-        if start == n:
-            return n, 0, 0  # all in cpu: the common case of a hot prefix
+        if start == n or (self.nvme is None and self.hint is None):
+            return start, 0, 0  # all in cpu (a hot prefix), or no other tier to look in
         in_cpu = self.cpu.ready_for
         in_nvme = self.nvme.ready_for if self.nvme is not None else None
         hint = self.hint
@@ -461,9 +461,10 @@ class ControlPlane:
             raise ChunkKeyError(f"a chunk key must be bytes: {exc}") from None
         telemetry = self.telemetry
         telemetry.hit_cpu += n - from_nvme - from_remote
-        telemetry.hit_nvme += from_nvme
-        telemetry.hit_remote += from_remote
         telemetry.missed += asked - n
+        if from_nvme or from_remote:
+            telemetry.hit_nvme += from_nvme
+            telemetry.hit_remote += from_remote
         return n
 
     def _lookup_groups(

@@ -266,14 +266,9 @@ class TierIndex:
     def ready_run(self, keys: Sequence[ChunkKey], namespace: str, start: int, stop: int) -> int:
         """The first position in ``start … stop − 1`` whose key is not READY for
         ``namespace`` (``stop`` when all are): :meth:`ready_for` over a run, the lookup's
-        hot loop, with no call per key."""
-        slots, state, names = self._slots, self._state, self._namespace
-        ns = self._namespaces.id_of(namespace)  # 0 if it holds nothing here: no resident slot has it
-        for i in range(start, stop):
-            slot = slots.get(keys[i])
-            if slot is None or state[slot] != READY or names[slot] != ns:
-                return i
-        return stop
+        hot loop, in C. A namespace that holds nothing here has number 0, which no
+        resident slot has."""
+        return self._records.ready_run(keys, self._namespaces.id_of(namespace), start, stop)
 
     def state_for(self, key: ChunkKey, namespace: str) -> int:
         """``READY`` or ``PENDING`` for a chunk of ``namespace``; ``FREE`` for any other key."""
