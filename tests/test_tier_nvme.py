@@ -10,6 +10,7 @@ import mmap
 import os
 import random
 import stat
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -391,6 +392,42 @@ async def test_a_second_opener_of_the_same_store_is_refused(tmp_path: Path) -> N
     await other_group.close()
     await tier.close()
     await (await open_store(tmp_path)).close()  # released on close
+
+
+async def test_a_store_open_in_this_process_is_refused_as_such_not_as_another_process_s(tmp_path: Path) -> None:
+    """Regression (adversarial review): a second open of a store this process holds (a
+    manager not yet closed, a close cancelled before it began) said "in use by another
+    process", sending its reader to look for a process that does not exist."""
+    first = await open_store(tmp_path)
+    try:
+        with pytest.raises(TierIOError, match=r"is in use by a manager or driver of this process$"):
+            await open_store(tmp_path)
+    finally:
+        await first.close()
+    await (await open_store(tmp_path)).close()  # and once closed, it opens
+
+
+async def test_a_store_another_process_holds_is_refused_naming_another_process(tmp_path: Path) -> None:
+    await (await open_store(tmp_path)).close()
+    lock = tmp_path / make_namespace().dir_name / "g0.lock"
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import fcntl, sys; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); print(flush=True); sys.stdin.read()",
+        str(lock),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None
+        await holder.stdout.readline()  # it holds the lock now
+        with pytest.raises(TierIOError, match=r"is in use by another process$"):
+            await open_store(tmp_path)
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        await holder.wait()
+    await (await open_store(tmp_path)).close()
 
 
 async def test_an_open_cancelled_while_its_files_open_closes_them_and_unlocks_the_store(

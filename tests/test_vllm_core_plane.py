@@ -156,7 +156,7 @@ def test_a_second_engine_on_the_same_nvme_directory_is_refused_loudly(tmp_path: 
         second, _ = make(tmp_path)
         try:
             second.open()
-            with pytest.raises(TieredKVError, match="in use by another process"):
+            with pytest.raises(TieredKVError, match="in use by a manager or driver of this process"):
                 results_until(second, lambda seen: False, timeout=30)
         finally:
             second.close()

@@ -172,6 +172,23 @@ def _size(fd: int, size: int, path: str) -> None:
             os.ftruncate(fd, size)
 
 
+def _locked_here(fd: int) -> bool:
+    """Whether this process holds the lock of the file ``fd`` is open on, through another
+    descriptor: Linux lists each ``flock`` in ``/proc/locks`` with its owner's pid and the
+    file's device and inode (``4: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0
+    EOF``). ``False`` where that list cannot be read."""
+    try:
+        stat = os.fstat(fd)
+        file = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+        with open("/proc/locks", encoding="ascii") as locks:
+            holders = [
+                fields[4] for fields in map(str.split, locks) if fields[1:2] == ["FLOCK"] and fields[5:6] == [file]
+            ]
+    except (OSError, TypeError, ValueError):
+        return False
+    return str(os.getpid()) in holders
+
+
 def _claim(dir_fd: int, directory: Path, namespace: Namespace, group: int) -> None:
     """Record ``namespace`` in its store directory, or check that the record there is of it.
 
@@ -348,15 +365,17 @@ class NvmeTier(DriverBase):
         try:
             lock = group_file(group, "lock")
             opened.append(open_file(dir_fd, lock, str(directory / lock), os.O_RDWR | os.O_CREAT))
-            fcntl.flock(opened[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(opened[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                holder = "a manager or driver of this process" if _locked_here(opened[-1]) else "another process"
+                raise TierIOError(f"{directory} group {group} is in use by {holder}", tier="nvme") from exc
             _claim(dir_fd, directory, namespace, group)
             slots = group_file(group, "slots")
             fd, direct = _open_slots(dir_fd, slots, str(directory / slots), size, direct_io)
         except BaseException as exc:
             for fd in opened:
                 os.close(fd)
-            if isinstance(exc, BlockingIOError):
-                raise TierIOError(f"{directory} group {group} is in use by another process", tier="nvme") from exc
             if isinstance(exc, OSError):
                 raise tier_error("nvme", f"cannot open the slots of {directory}", exc) from exc
             raise
