@@ -176,7 +176,9 @@ def _locked_here(fd: int) -> bool:
     """Whether this process holds the lock of the file ``fd`` is open on, through another
     descriptor: Linux lists each ``flock`` in ``/proc/locks`` with its owner's pid and the
     file's device and inode (``4: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0
-    EOF``). ``False`` where that list cannot be read."""
+    EOF``). ``False`` where that list cannot be read, or where it names the file by other
+    numbers than ``fstat`` does (a stacked filesystem may): the refusal then names
+    another process, as it did before it could tell."""
     try:
         stat = os.fstat(fd)
         file = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
