@@ -266,3 +266,50 @@ def test_a_policy_cleared_in_steps_is_empty_after_the_first_and_works_as_new(
     for i in range(64):  # the same keys again, as new: nothing of them is left behind
         policy.insert(chunk_key(i), chunk_key(i - 1) if i % 4 else None)
     assert len(policy) == 64 and len(drain(policy)) == 64
+
+
+@pytest.mark.parametrize(("maker", "hit_all"), [(LRU, False), (ARC, True), (S3FIFO, False)])
+def test_a_policy_cleared_in_steps_lets_go_of_its_parked_keys_a_step_at_a_time(
+    maker: type, hit_all: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a churn nearly every resident key of a prefix tree is parked (passed over for
+    its successors): a million of them took 40 ms to free in the first step of a closing
+    manager's clear. They now go a step at a time, like the policy's tables, while the
+    policy reads empty and works as new from the first step."""
+    monkeypatch.setattr(release, "STEP", 5)
+
+    def grow_and_churn(policy: object, first: int) -> None:
+        # Chains of 8 whose leaves are hit (ARC: every key first, into its second list): an
+        # eviction walks past every ancestor, parking it.
+        keys = [chunk_key(first + i) for i in range(400)]
+        for i, key in enumerate(keys):
+            policy.insert(key, keys[i - 1] if i % 8 else None)
+        for key in [*(keys if hit_all else []), *keys[7::8]]:
+            policy.touch(key)
+        assert policy.evict(1, never) is not None
+
+    policy = maker(400)
+    grow_and_churn(policy, 0)
+    parked = policy._links._parked  # white box: the dict the parked keys are in
+    before = len(parked)
+    assert before > 100
+    steps = policy.clear_in_steps()
+    next(steps)
+    assert len(policy) == 0 and not any(chunk_key(i) in policy for i in range(400))
+    assert len(parked) == before  # none let go of in the first step
+    sizes = [len(parked) for _ in steps]
+    assert sizes[-1] == 0 and all(a - b <= 5 for a, b in zip([before, *sizes], sizes, strict=False))
+    grow_and_churn(policy, 1000)  # the walk parks into the new dict, not the old one
+    assert not parked and len(policy._links._parked) > 100
+    assert len(drain(policy)) == 399
+
+
+def test_a_walk_swaps_its_parked_dict_for_a_dict_only() -> None:
+    lru = LRU(8)
+    walk = lru._lists
+    mine = lru._links._parked
+    fresh: dict[bytes, tuple[int, bytes | None]] = {}
+    assert walk.swap_parked(fresh) is mine
+    assert walk.swap_parked(mine) is fresh
+    with pytest.raises(TypeError, match="dict"):
+        walk.swap_parked([])  # type: ignore[arg-type]

@@ -1789,6 +1789,20 @@ fail:
     return NULL;
 }
 
+/* Hand the walk another parked dict (a clearing policy's new, empty one); the old one,
+ * returned, is the caller's to let go of, a step at a time. */
+static PyObject *
+lists_swap_parked(Lists *l, PyObject *parked)
+{
+    if (!PyDict_Check(parked)) {
+        PyErr_Format(PyExc_TypeError, "parked keys are a dict, not %.100s", Py_TYPE(parked)->tp_name);
+        return NULL;
+    }
+    PyObject *old = l->parked;
+    l->parked = Py_NewRef(parked);
+    return old; /* our reference, handed over */
+}
+
 static void
 lists_dealloc(Lists *l)
 {
@@ -1811,6 +1825,8 @@ static PyMethodDef lists_methods[] = {
      "lru_insert(key, parent=None): LRU's insert of a new key"},
     {"arc_insert", (PyCFunction)(void (*)(void))lists_arc_insert, METH_FASTCALL,
      "arc_insert(key, parent=None): ARC's insert of a new key"},
+    {"swap_parked", (PyCFunction)lists_swap_parked, METH_O,
+     "swap_parked(parked): walk over the dict parked from now on; the one it walked over before"},
     {NULL, NULL},
 };
 

@@ -92,6 +92,9 @@ class PrefixLists:
     def arc_insert(self, key: bytes, parent: bytes | None = None, /) -> None:
         """ARC's insert of a key not resident: a ghost hit adapts :attr:`target` and goes to
         the second list, a new key to the first, trimming the ghosts (case IV)."""
+    def swap_parked(self, parked: dict[bytes, tuple[int, bytes | None]], /) -> dict[bytes, tuple[int, bytes | None]]:
+        """Walk over ``parked`` from now on (a clearing policy's new, empty dict); the dict
+        walked over before, for the caller to let go of a step at a time."""
 
 class Protection:
     """Whether an eviction must pass ``key`` over, read from a residency index's arrays:
