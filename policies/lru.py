@@ -55,6 +55,10 @@ class LRU:
         """A key becomes resident, the most recently used. In C."""
         self._lists.lru_insert(key, parent)
 
+    def inserter(self) -> Callable[[ChunkKey, ChunkKey | None], None]:
+        """:meth:`insert`'s C step, positional (see :class:`~tiered_kv.interfaces.BatchInsertPolicy`)."""
+        return self._lists.lru_insert if type(self).insert is _INSERT else self.insert
+
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         add_new(self._order, keys, None, self._links.is_parked)
 
@@ -107,3 +111,7 @@ class LRU:
             return None
         victims: list[ChunkKey] | None = self._lists.evict(n, protected)  # the same walk, in C
         return victims
+
+
+#: LRU's own insert, which :meth:`LRU.inserter` stands in for (not one patched or overridden).
+_INSERT = LRU.insert

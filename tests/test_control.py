@@ -39,7 +39,7 @@ def stored(control: ControlPlane, pool: Pool, chunk_keys_: list[bytes], *, to_nv
     for group in plan.groups:
         wanted = control.complete_store(group, ok=True)
         if to_nvme and wanted:
-            write = control.plan_nvme_copy(pool, wanted)
+            write = control.plan_nvme_copy(pool, wanted, NS.fingerprint_hex)
             assert write is not None
             control.complete_nvme_write(write, ok=True)
 
@@ -52,12 +52,33 @@ def test_a_chunk_goes_pending_then_ready_then_nvme_only() -> None:
     (group,) = plan.groups
     write_through = control.complete_store(group, ok=True)
     assert write_through == first
-    write = control.plan_nvme_copy(pool, write_through)
+    write = control.plan_nvme_copy(pool, write_through, NS.fingerprint_hex)
     assert write is not None
     control.complete_nvme_write(write, ok=True)
     assert pool.state(first[0], NS.fingerprint_hex) is ChunkState.CPU_READY
     stored(control, pool, keys(2, start=10_000))  # pushes both out of cpu
     assert [pool.state(k, NS.fingerprint_hex) for k in first] == [ChunkState.NVME_READY] * 2
+    control.verify_invariants()
+
+
+def test_a_copy_to_nvme_takes_only_the_chunks_ready_in_cpu_for_its_namespace_that_nvme_lacks() -> None:
+    """The write-through's usual case (all READY, none on nvme) is found in C; any other
+    mix is filtered key by key, as before."""
+    control, pool = plane(cpu=8, nvme=8)
+    ready, on_nvme = keys(2), keys(2, start=10_000)
+    stored(control, pool, on_nvme, to_nvme=True)
+    stored(control, pool, ready)
+    pending = keys(2, start=20_000)
+    control.plan_store(NS, [pending], [blocks(2)])
+    other = msgspec.structs.replace(NS, lora_id="b").fingerprint_hex
+    assert control.plan_nvme_copy(pool, ready, other) is None  # READY, but for another namespace
+    assert pool.cpu.pinned == 0
+    write = control.plan_nvme_copy(pool, [*on_nvme, pending[0], *ready, pending[1]], NS.fingerprint_hex)
+    assert write is not None and [key for key, _, _ in write.chunks] == ready
+    assert write.pinned == ready and [pool.cpu.pins(key) for key in ready] == [1, 1]
+    control.complete_nvme_write(write, ok=True)
+    assert [pool.state(k, NS.fingerprint_hex) for k in ready] == [ChunkState.CPU_READY] * 2
+    assert pool.cpu.pinned == 0 and all(key in pool.nvme for key in ready)  # type: ignore[operator]
     control.verify_invariants()
 
 
@@ -141,7 +162,7 @@ def test_random_plans_and_outcomes_keep_the_indexes_consistent(seed: int) -> Non
             if spill is not None:
                 open_writes.append(spill)
             wanted = control.complete_store(group, ok=rng.random() < 0.8)
-            write = control.plan_nvme_copy(pool, wanted) if wanted else None
+            write = control.plan_nvme_copy(pool, wanted, NS.fingerprint_hex) if wanted else None
             if write is not None:
                 open_writes.append(write)
         elif action == 2 and open_writes:

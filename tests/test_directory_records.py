@@ -66,6 +66,21 @@ class PythonStepsIndex(TierIndex):
     def slots_of(self, keys: Sequence[ChunkKey]) -> list[int]:
         return [self._require(key) for key in keys]
 
+    def pin_for_copy(self, keys: Iterable[ChunkKey]) -> list[Victim]:
+        chunks: list[Victim] = []
+        try:
+            for key in keys:
+                slot = self.pin(key)
+                namespace = self._namespace_at(slot)
+                chunks.append(
+                    Victim(key, slot, self._other_owner.get(slot, namespace), namespace, self._parent_at(slot))
+                )
+        except BaseException:
+            for chunk in chunks:  # none stays pinned
+                self.unpin(chunk.key)
+            raise
+        return chunks
+
     def ready_run(self, keys: Sequence[ChunkKey], namespace: str, start: int, stop: int) -> int:
         for i in range(start, stop):
             if not self.ready_for(keys[i], namespace):
@@ -236,6 +251,8 @@ def one_step(index: TierIndex, action: int, keys: list[ChunkKey], namespace: str
     if action == 8:
         start = store["start"]
         return index.ready_run(keys, namespace, min(start, len(keys)), len(keys))
+    if action == 9:
+        return [msgspec.structs.astuple(v) for v in index.pin_for_copy(keys)]
     return [index.drop(key) for key in keys if key in index and not index.pins(key)]
 
 
@@ -250,7 +267,7 @@ def test_the_c_steps_agree_with_the_python_steps_at_every_step(policy: str, seed
     namespaces = [*OWNERS, "salt-1", "salt-2"]
     first = indexes[0]
     for _ in range(300):
-        action = rng.randrange(10)
+        action = rng.randrange(11)
         keys = rng.sample(universe, rng.randint(0, min(len(universe), capacity + 2)))
         namespace = rng.choice(namespaces)
         store: dict = {}
@@ -276,6 +293,8 @@ def test_the_c_steps_agree_with_the_python_steps_at_every_step(policy: str, seed
             ready = [key for key in first._slots if first.ready_for(key, namespace)]
             keys = rng.sample(ready, len(ready)) + keys[: rng.randint(0, 2)]
             store["start"] = rng.randint(0, 2)
+        elif action == 9 and rng.random() < 0.7:  # resident keys, now and then one that is not
+            keys = rng.sample(list(first._slots), min(len(first), rng.randint(0, 4))) + keys[: rng.randint(0, 1)]
         results = [outcome(functools.partial(one_step, index, action, keys, namespace, store)) for index in indexes]
         assert results[0] == results[1], action
         same_records(*indexes)
@@ -321,6 +340,26 @@ def test_a_ready_run_stops_at_a_value_that_is_not_a_chunk_key_and_refuses_positi
     for start, stop in ((-1, 2), (0, 5)):
         with pytest.raises(IndexError):
             index.ready_run(keys, OWNERS[0], start, stop)
+
+
+def test_a_copy_pinning_a_key_not_resident_or_past_the_most_pins_leaves_none_pinned() -> None:
+    index, keys = resident_index()
+    absent = ChunkKey(b"z" * 16)
+    with pytest.raises(TieredKVError, match=f"^cpu: chunk {absent.hex()} is not resident$"):
+        index.pin_for_copy([keys[0], keys[1], absent])
+    index._pins[index.slot(keys[2])] = _MAX_COUNT
+    index._records.pinned += 1
+    with pytest.raises(TieredKVError, match=f"^cpu: chunk {keys[2].hex()} has 65535 pins already$"):
+        index.pin_for_copy(keys)
+    assert [index.pins(key) for key in keys] == [0, 0, _MAX_COUNT, 0] and index.pinned == 1
+    with pytest.raises(TypeError):
+        index.pin_for_copy(5)  # type: ignore[arg-type]
+    copies = index.pin_for_copy([keys[3], keys[3]])  # pinned once per copy
+    assert [(c.key, c.slot, c.owner, c.parent) for c in copies] == [
+        (keys[3], index.slot(keys[3]), OWNERS[0], keys[2])
+    ] * 2
+    assert index.pins(keys[3]) == 2
+    index.check()
 
 
 def test_a_run_pinned_past_the_most_pins_takes_its_pins_back() -> None:
@@ -420,6 +459,10 @@ def test_the_batch_steps_leak_no_reference_and_no_memory() -> None:
         index.slots_of(keys)
         index.hit_many(keys)
         index.unpin_many(keys)
+        index.pin_for_copy(keys)
+        index.unpin_many(keys)
+        with contextlib.suppress(TieredKVError):
+            index.pin_for_copy([*keys, ChunkKey(b"z" * 16)])
         for bad in (index.mark_ready_many, index.unpin_many, lambda ks: index.pin_ready_run(ks, OWNERS[0])):
             with contextlib.suppress(TieredKVError):
                 bad(keys)

@@ -6,6 +6,7 @@ import pytest
 
 from tiered_kv import release
 from tiered_kv.interfaces import SteppedClearPolicy
+from tiered_kv.partition import TierPartition
 from tiered_kv.policies import ARC, LRU, S3FIFO
 from tiered_kv.registry import POLICIES
 from tiered_kv.testing import CachePolicyContract, chunk_key, policy_state_machine
@@ -230,6 +231,32 @@ def test_a_subclass_overriding_touch_and_insert_is_called(maker: type) -> None:
     policy.insert(b"a")
     policy.touch(b"a")
     assert calls == ["insert", "touch"] and b"a" in policy
+    # A residency index inserting a store's chunks goes through the override too.
+    POLICIES.register("counting", Counting)
+    try:
+        partition = TierPartition("cpu", 4)
+        partition.add_namespace("ns", "counting")
+    finally:
+        POLICIES.unregister("counting")
+    partition.inserter("ns", 1)(b"b", None)
+    assert calls[-1] == "insert"
+
+
+@pytest.mark.parametrize("maker", [LRU, ARC])
+def test_a_batch_inserts_through_the_c_step_with_what_insert_would_do(maker: type) -> None:
+    """What a residency index calls per key of a store: the C step itself (a Python frame
+    of the policy's per key was 4% of the loop's time at scale), same outcome as insert."""
+    one = maker(8)
+    partition = TierPartition("cpu", 8)
+    partition.add_namespace("ns", maker.name)
+    batch = partition.policy("ns")
+    insert = partition.inserter("ns", 4)
+    assert type(insert).__name__ == "builtin_function_or_method"
+    for i in range(4):
+        one.insert(chunk_key(i), chunk_key(i - 1) if i else None)
+        insert(chunk_key(i), chunk_key(i - 1) if i else None)
+    partition.count_inserted(4)
+    assert repr(one) == repr(batch) and drain(one) == drain(batch)
 
 
 def test_arcs_capacity_cannot_change_under_its_c_steps() -> None:

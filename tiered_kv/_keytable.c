@@ -2497,6 +2497,46 @@ records_pin_ready_run(Records *r, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(n);
 }
 
+/* pin_for_copy(keys): pin each of ``keys`` (resident) while its bytes are copied out of
+ * the tier; the record of each (its key, slot, owner, namespace and predecessor), in
+ * order. On an error no key is left pinned by the call. */
+static PyObject *
+records_pin_for_copy(Records *r, PyObject *keys)
+{
+    PyObject *seq = PySequence_Fast(keys, "pin_for_copy() takes a sequence of keys");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = 0;
+    PyObject *records = PyList_New(n);
+    for (; records != NULL && i < n; i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        Py_ssize_t slot = resident_slot(r, key);
+        if (slot < 0)
+            break;
+        uint16_t count = U16(r->pins)[slot];
+        if (count >= MAX_COUNT) {
+            char what[48];
+            snprintf(what, sizeof what, "has %u pins already", (unsigned)count);
+            chunk_error(r, key, what);
+            break;
+        }
+        PyObject *owner = owner_of(r, slot);
+        PyObject *victim = owner == NULL ? NULL : make_victim(r, key, slot, owner);
+        if (victim == NULL)
+            break;
+        PyList_SET_ITEM(records, i, victim);
+        if (!count)
+            r->pinned++;
+        U16(r->pins)[slot] = count + 1;
+    }
+    if (records != NULL && i < n) { /* an error: the pins taken go back */
+        unpin_first(r, seq, i);
+        Py_CLEAR(records);
+    }
+    Py_DECREF(seq);
+    return records;
+}
+
 /* unpin_many(keys): one pin off each of ``keys``; the keys before one not pinned stay unpinned. */
 static PyObject *
 records_unpin_many(Records *r, PyObject *keys)
@@ -2691,6 +2731,8 @@ static PyMethodDef records_methods[] = {
      "pin_ready_run(keys, ns): pin the leading run READY for number ns; how many"},
     {"unpin_many", (PyCFunction)records_unpin_many, METH_O, "unpin_many(keys): one pin off each"},
     {"slots_of", (PyCFunction)records_slots_of, METH_O, "slots_of(keys): the slots of resident keys"},
+    {"pin_for_copy", (PyCFunction)records_pin_for_copy, METH_O,
+     "pin_for_copy(keys): pin each resident key for a copy out; the record of each"},
     {"hit_many", (PyCFunction)(void (*)(void))records_hit_many, METH_FASTCALL,
      "hit_many(keys, policy_of): touch each in its owner's policy, count its hit; the counts"},
     {NULL, NULL},

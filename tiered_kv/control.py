@@ -697,12 +697,17 @@ class ControlPlane:
         return []
 
     # -- cpu → nvme --------------------------------------------------------------------
-    def plan_nvme_copy(self, pool: Pool, keys: Iterable[ChunkKey]) -> NvmeWrite | None:
-        """Write-through and selective: copy READY cpu chunks that nvme lacks, pinned in cpu
-        meanwhile; ``None`` when none needs it or nvme has no room."""
-        if pool.nvme is None:
+    def plan_nvme_copy(self, pool: Pool, keys: list[ChunkKey], namespace: str) -> NvmeWrite | None:
+        """Write-through and selective: copy those of ``keys`` that are READY in cpu for
+        ``namespace`` and that nvme lacks, pinned in cpu meanwhile; ``None`` when none
+        needs it or nvme has no room."""
+        nvme = pool.nvme
+        if nvme is None:
             return None
-        wanted = [key for key in keys if pool.cpu.is_ready(key) and key not in pool.nvme]
+        wanted = keys
+        # Usually every key is READY and none on nvme: found in C, with no step per key.
+        if pool.cpu.ready_run(keys, namespace, 0, len(keys)) < len(keys) or nvme.any_resident(keys):
+            wanted = [key for key in keys if pool.cpu.ready_for(key, namespace) and key not in nvme]
         chunks = pool.cpu.pin_for_copy(wanted)
         write = self._plan_nvme_write(pool, chunks, pinned=wanted)
         if write is None:
@@ -726,19 +731,19 @@ class ControlPlane:
         assert pool.nvme is not None
         planned: list[tuple[ChunkKey, int, int]] = []
         tenants: set[ChunkKey] = set()
-        for owner, namespace in dict.fromkeys((chunk.owner, chunk.namespace) for chunk in chunks):
-            mine = [(c.key, c.slot) for c in chunks if (c.owner, c.namespace) == (owner, namespace)]
-            parents = {c.key: c.parent for c in chunks}
-            reservation = pool.nvme.reserve(
-                (key for key, _ in mine), owner, namespace, parents=parents, keep=pool.claims
-            )
+        shares = dict.fromkeys((chunk.owner, chunk.namespace) for chunk in chunks)
+        parents = {c.key: c.parent for c in chunks}
+        for owner, namespace in shares:
+            mine = chunks if len(shares) == 1 else [c for c in chunks if (c.owner, c.namespace) == (owner, namespace)]
+            keys = [c.key for c in mine]
+            reservation = pool.nvme.reserve(keys, owner, namespace, parents=parents, keep=pool.claims)
             if reservation is None:
                 log.info("tier.full", tier="nvme", namespace=owner, n_chunks=len(mine))
                 continue
             self._evicted(pool, "nvme", reservation.evicted)
-            planned += [(key, slot, reservation.slots[key]) for key, slot in mine]
+            planned += zip(keys, [c.slot for c in mine], map(reservation.slots.__getitem__, keys), strict=True)
             if namespace != pool.fingerprint:
-                tenants.update(key for key, _ in mine)
+                tenants.update(keys)
         if not planned:
             return None
         return NvmeWrite(pool, planned, pinned, tenants)

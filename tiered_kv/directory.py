@@ -480,16 +480,9 @@ class TierIndex:
 
     def pin_for_copy(self, keys: Iterable[ChunkKey]) -> list[Victim]:
         """Pin each of ``keys`` (resident) while its bytes are copied out of this tier; what
-        the copy needs of each: its slot, owner, namespace and predecessor."""
-        ids, names, parent_at, other = self._namespace, self._namespaces.names, self._parent_at, self._other_owner
-        pin = self.pin
-        chunks = []
-        for key in keys:
-            slot = pin(key)
-            namespace = names[ids[slot]]
-            assert namespace is not None
-            chunks.append(Victim(key, slot, other.get(slot, namespace), namespace, parent_at(slot)))
-        return chunks
+        the copy needs of each: its slot, owner, namespace and predecessor. In C; on an
+        error none of them stays pinned."""
+        return self._records.pin_for_copy(keys)
 
     def pin_ready_run(self, keys: Sequence[ChunkKey], namespace: str) -> int:
         """Pin the leading run of ``keys`` READY for ``namespace``; how many (a load's

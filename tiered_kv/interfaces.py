@@ -267,6 +267,18 @@ class BulkInsertPolicy(CachePolicy, Protocol):
 
 
 @runtime_checkable
+class BatchInsertPolicy(CachePolicy, Protocol):
+    """A policy that hands a caller inserting a batch key by key (a residency index
+    recording a store's chunks) the step its :meth:`~CachePolicy.insert` runs, to be
+    called positionally per key: a C step, with no Python frame of the policy's per key."""
+
+    def inserter(self) -> Callable[[ChunkKey, ChunkKey | None], None]:
+        """``insert(key, parent)``, positional only; the policy's own :meth:`insert`
+        where a subclass overrides it."""
+        ...
+
+
+@runtime_checkable
 class SteppedClearPolicy(CachePolicy, Protocol):
     """A policy that can forget every key a step at a time, which a closing manager uses
     so that a million keys are never let go of in one step of its event loop; a policy

@@ -1086,14 +1086,18 @@ class TieredKV:
             return
         if pool.hint is not None:
             self._write_remote(pool, keys, namespace)
-        if pool.nvme is None:
+        nvme = pool.nvme
+        if nvme is None:
             return
-        keys = [key for key in keys if key not in pool.nvme]
+        if nvme.any_resident(keys):  # usually none is: no Python step per key
+            keys = [key for key in keys if key not in nvme]
         if not keys or not self._take_room(self._write_behind_budget, "nvme", pool, len(keys)):
             return
         # Started now: the copy pins its chunks before another store can evict them.
         self._scheduler.start(
-            self._copy_to_nvme(pool, keys), name="write-behind", done=lambda: self._write_behind_budget.give(len(keys))
+            self._copy_to_nvme(pool, keys, namespace.fingerprint_hex),
+            name="write-behind",
+            done=lambda: self._write_behind_budget.give(len(keys)),
         )
 
     def _write_remote(self, pool: Pool, keys: list[ChunkKey], namespace: Namespace) -> None:
@@ -1148,11 +1152,12 @@ class TieredKV:
             return False
         return True
 
-    async def _copy_to_nvme(self, pool: Pool, keys: list[ChunkKey]) -> None:
-        """Write-through and selective: copy READY cpu chunks to nvme, pinned meanwhile.
-        Planned (pinned) in the step that starts it; the copy itself is built and submitted
-        in a turn of the loop of its own, not added to the step that marked the chunks READY."""
-        write = self._control.plan_nvme_copy(pool, keys)
+    async def _copy_to_nvme(self, pool: Pool, keys: list[ChunkKey], namespace: str) -> None:
+        """Write-through and selective: copy ``namespace``'s READY cpu chunks to nvme,
+        pinned meanwhile. Planned (pinned) in the step that starts it; the copy itself is
+        built and submitted in a turn of the loop of its own, not added to the step that
+        marked the chunks READY."""
+        write = self._control.plan_nvme_copy(pool, keys, namespace)
         if write is not None:
             await self._write_nvme(write, own_turn=True)
 

@@ -29,7 +29,7 @@ from typing import cast
 
 from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import ConfigError, PolicyError
-from tiered_kv.interfaces import BulkInsertPolicy, CachePolicy, SteppedClearPolicy
+from tiered_kv.interfaces import BatchInsertPolicy, BulkInsertPolicy, CachePolicy, SteppedClearPolicy
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policy_factory import make_policy
 
@@ -37,13 +37,14 @@ from tiered_kv.policy_factory import make_policy
 class _Share:
     """One namespace's policy and quota in this tier."""
 
-    __slots__ = ("bulk", "order", "policy", "quota")
+    __slots__ = ("batch", "bulk", "order", "policy", "quota")
 
     def __init__(self, policy: CachePolicy, quota: int, order: int) -> None:
         self.policy = policy
         #: Whether the policy inserts a batch in one call: asked once (an ``isinstance``
         #: of a runtime-checkable protocol costs tens of µs, once per batch of a restore).
         self.bulk = isinstance(policy, BulkInsertPolicy)
+        self.batch = isinstance(policy, BatchInsertPolicy)
         self.quota = quota
         self.order = order  # tie-break between namespaces: the first added goes first
 
@@ -158,10 +159,10 @@ class TierPartition:
         """``namespace``'s policy's ``insert``, for a caller that inserts ``n`` keys one by
         one (no Python step of the partition's per key) and then counts those inserted
         with :meth:`count_inserted`; the tier must have room for all ``n``."""
-        policy = self._share(namespace).policy
+        share = self._share(namespace)
         if self._used + n > self.capacity:
             raise PolicyError(f"tier {self.tier} is full ({self.capacity} chunks); make room first")
-        return policy.insert
+        return cast("BatchInsertPolicy", share.policy).inserter() if share.batch else share.policy.insert
 
     def count_inserted(self, n: int) -> None:
         """Count ``n`` keys inserted through :meth:`inserter`."""

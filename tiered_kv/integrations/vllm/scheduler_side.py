@@ -280,7 +280,7 @@ class SchedulerSide:
         for position, key in pins:
             self.telemetry.loaded["nvme" if key in request.promoted else "cpu"] += 1
             if self.control.hit(self.pools[position], key):
-                self._copy_to_nvme(position, [key])
+                self._copy_to_nvme(position, [key], request.fingerprint)
         self._loads[request_id] = (self._generation, pins)
         return tuple(tuple(group) for group in slots)
 
@@ -343,15 +343,15 @@ class SchedulerSide:
             for group in pending.groups:
                 written = self.control.complete_store(group, ok)
                 if written:
-                    self._copy_to_nvme(self.pools.index(group.pool), written)
+                    self._copy_to_nvme(self.pools.index(group.pool), written, group.namespace)
 
-    def _copy_to_nvme(self, position: int, keys: list[ChunkKey]) -> None:
+    def _copy_to_nvme(self, position: int, keys: list[ChunkKey], namespace: str) -> None:
         if self._core is None or not self._nvme_open:
             return
         if self._nvme_write_chunks and self._nvme_write_chunks + len(keys) > self._max_nvme_write_chunks:
             log.info("store.skipped", tier="nvme", n_chunks=len(keys), reason="queue full")
             return
-        write = self.control.plan_nvme_copy(self.pools[position], keys)
+        write = self.control.plan_nvme_copy(self.pools[position], keys, namespace)
         if write is None:
             return
         self._nvme_write_chunks += len(write.chunks)
