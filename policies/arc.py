@@ -79,8 +79,10 @@ class ARC:
         self._lists.arc_insert(key, parent)
 
     def inserter(self) -> Callable[[ChunkKey, ChunkKey | None], None]:
-        """:meth:`insert`'s C step, positional (see :class:`~tiered_kv.interfaces.BatchInsertPolicy`)."""
-        return self._lists.arc_insert if type(self).insert is _INSERT else self.insert
+        """:meth:`insert`'s C step, positional (see :class:`~tiered_kv.interfaces.BatchInsertPolicy`);
+        ``insert`` itself where a subclass, a patch of the class or one of the instance replaced it."""
+        insert = self.insert
+        return self._lists.arc_insert if getattr(insert, "__func__", None) is _INSERT else insert
 
     def touch(self, key: ChunkKey) -> None:
         """A hit makes ``key`` the newest of T2 (from T1, or parked). In C."""

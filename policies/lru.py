@@ -56,8 +56,10 @@ class LRU:
         self._lists.lru_insert(key, parent)
 
     def inserter(self) -> Callable[[ChunkKey, ChunkKey | None], None]:
-        """:meth:`insert`'s C step, positional (see :class:`~tiered_kv.interfaces.BatchInsertPolicy`)."""
-        return self._lists.lru_insert if type(self).insert is _INSERT else self.insert
+        """:meth:`insert`'s C step, positional (see :class:`~tiered_kv.interfaces.BatchInsertPolicy`);
+        ``insert`` itself where a subclass, a patch of the class or one of the instance replaced it."""
+        insert = self.insert
+        return self._lists.lru_insert if getattr(insert, "__func__", None) is _INSERT else insert
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         add_new(self._order, keys, None, self._links.is_parked)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
 from tiered_kv import release
@@ -240,6 +242,21 @@ def test_a_subclass_overriding_touch_and_insert_is_called(maker: type) -> None:
         POLICIES.unregister("counting")
     partition.inserter("ns", 1)(b"b", None)
     assert calls[-1] == "insert"
+    # And through a patch of the instance (a subclass without __slots__ takes one).
+
+    class Plain(maker):  # type: ignore[misc, valid-type]
+        pass
+
+    POLICIES.register("plain", Plain)
+    try:
+        partition.add_namespace("plain", "plain")
+    finally:
+        POLICIES.unregister("plain")
+    patched = partition.policy("plain")
+    with mock.patch.object(patched, "insert", side_effect=lambda key, parent=None: calls.append("patched")):
+        partition.inserter("plain", 1)(b"c", None)
+        partition.insert("plain", b"d")
+    assert calls[-2:] == ["patched", "patched"] and b"c" not in patched
 
 
 @pytest.mark.parametrize("maker", [LRU, ARC])
