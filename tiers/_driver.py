@@ -90,6 +90,22 @@ def hand_over() -> None:
     time.sleep(HAND_OVER_S)
 
 
+class Pacer:
+    """:func:`hand_over` once about ``HAND_OVER_EVERY_S`` of work has run since the last:
+    call :meth:`step` between the steps of a long computation in a driver thread (parsing
+    or folding a slot map of a million entries), however long each step is."""
+
+    __slots__ = ("_due",)
+
+    def __init__(self) -> None:
+        self._due = time.perf_counter() + HAND_OVER_EVERY_S
+
+    def step(self) -> None:
+        if time.perf_counter() >= self._due:
+            hand_over()
+            self._due = time.perf_counter() + HAND_OVER_EVERY_S
+
+
 def round_up(n: int, align: int = PAGE) -> int:
     return -(-n // align) * align
 

@@ -28,7 +28,6 @@ import dataclasses
 import errno
 import os
 import struct
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -37,7 +36,7 @@ import xxhash
 
 from tiered_kv._keytable import KeyInts
 from tiered_kv.log import get_logger
-from tiered_kv.tiers._driver import HAND_OVER_EVERY_S, hand_over
+from tiered_kv.tiers._driver import Pacer
 from tiered_kv.tiers.nvme_files import open_file, read_file, replace_file
 from tiered_kv.tiers.nvme_format import GroupFile, group_file
 
@@ -176,7 +175,9 @@ def _parse_journal(data: bytes | bytearray | memoryview) -> _JournalRead:
     records = np.empty(max(0, len(data) - _HEADER_BYTES) // RECORD.itemsize, dtype=RECORD)
     frames = held = 0
     at = _HEADER_BYTES
+    pacer = Pacer()  # a frame per commit window: thousands of Python steps for a full journal
     while at + _FRAME.size <= len(data):
+        pacer.step()
         magic, count, sequence, check = _FRAME.unpack_from(data, at)
         end = at + _FRAME.size + count * RECORD.itemsize
         if magic != _FRAME_MAGIC or sequence != frames or end > len(data):
@@ -321,9 +322,11 @@ def replay(records: np.ndarray, num_slots: int, *, unique: bool = True) -> SlotM
     if len(slots) > 1 and not bool(np.all(slots[1:] > slots[:-1])):  # not a checkpoint's ascending list
         last = np.full(num_slots, -1, dtype=np.int64)
         inside = np.flatnonzero(slots < num_slots)
+        pacer = Pacer()
         for at in range(0, len(inside), _STEP):  # in steps: ufunc.at holds the interpreter
             piece = inside[at : at + _STEP]
             np.maximum.at(last, slots[piece], piece)
+            pacer.step()
         pick = last[last >= 0]
     else:
         pick = np.flatnonzero(slots < num_slots)
@@ -352,14 +355,11 @@ def recovered_chunks(slot_map: SlotMap) -> KeyInts:
     each step of 2,048 entries, a million cost 0.15 s of sleeps on the development VM)."""
     chunks = KeyInts()
     chunks.reserve(len(slot_map.slots))
-    clock = time.perf_counter
-    due = clock() + HAND_OVER_EVERY_S
+    pacer = Pacer()
     for at in range(0, len(slot_map.slots), _STEP):
         keys, slots = slot_map.keys[at : at + _STEP].tolist(), slot_map.slots[at : at + _STEP].tolist()
         chunks.update(zip(keys, slots, strict=True))
-        if clock() >= due:
-            hand_over()
-            due = clock() + HAND_OVER_EVERY_S
+        pacer.step()
     return chunks
 
 
