@@ -29,7 +29,7 @@ from tiered_kv._keytable import KeyOrder
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import add_new, check_capacity, check_count, check_new, missing
 from tiered_kv.policies.ghost import GhostQueue
-from tiered_kv.policies.prefix import PrefixLinks
+from tiered_kv.policies.prefix import InsertStep, PrefixLinks, batch_insert
 
 #: Where a key lives, for parking: T1 (seen once recently) or T2 (seen at least twice).
 _T1, _T2 = 1, 2
@@ -78,11 +78,9 @@ class ARC:
         goes to T1 and trims the ghosts (case IV). In C."""
         self._lists.arc_insert(key, parent)
 
-    def inserter(self) -> Callable[[ChunkKey, ChunkKey | None], None]:
-        """:meth:`insert`'s C step, positional (see :class:`~tiered_kv.interfaces.BatchInsertPolicy`);
-        ``insert`` itself where a subclass, a patch of the class or one of the instance replaced it."""
-        insert = self.insert
-        return self._lists.arc_insert if getattr(insert, "__func__", None) is _INSERT else insert
+    def inserter(self) -> InsertStep:
+        """:meth:`insert`'s C step, positional (see :func:`~tiered_kv.policies.prefix.batch_insert`)."""
+        return batch_insert(self.insert, _INSERT, self._lists.arc_insert)
 
     def touch(self, key: ChunkKey) -> None:
         """A hit makes ``key`` the newest of T2 (from T1, or parked). In C."""
@@ -188,5 +186,5 @@ class ARC:
         self._links.unlink(key, parent)
 
 
-#: ARC's own insert, which :meth:`ARC.inserter` stands in for (not one patched or overridden).
+#: ARC's own insert, which :meth:`ARC.inserter` stands in for while not replaced.
 _INSERT = ARC.insert

@@ -10,7 +10,7 @@ from typing import cast
 from tiered_kv._keytable import KeyOrder
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import add_new, check_capacity, check_count
-from tiered_kv.policies.prefix import PrefixLinks
+from tiered_kv.policies.prefix import InsertStep, PrefixLinks, batch_insert
 
 #: Marks "not in the order" where a predecessor (a key or ``None``) is expected.
 _ABSENT = cast("ChunkKey | None", object())
@@ -55,11 +55,9 @@ class LRU:
         """A key becomes resident, the most recently used. In C."""
         self._lists.lru_insert(key, parent)
 
-    def inserter(self) -> Callable[[ChunkKey, ChunkKey | None], None]:
-        """:meth:`insert`'s C step, positional (see :class:`~tiered_kv.interfaces.BatchInsertPolicy`);
-        ``insert`` itself where a subclass, a patch of the class or one of the instance replaced it."""
-        insert = self.insert
-        return self._lists.lru_insert if getattr(insert, "__func__", None) is _INSERT else insert
+    def inserter(self) -> InsertStep:
+        """:meth:`insert`'s C step, positional (see :func:`~tiered_kv.policies.prefix.batch_insert`)."""
+        return batch_insert(self.insert, _INSERT, self._lists.lru_insert)
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         add_new(self._order, keys, None, self._links.is_parked)
@@ -115,5 +113,5 @@ class LRU:
         return victims
 
 
-#: LRU's own insert, which :meth:`LRU.inserter` stands in for (not one patched or overridden).
+#: LRU's own insert, which :meth:`LRU.inserter` stands in for while not replaced.
 _INSERT = LRU.insert

@@ -29,6 +29,16 @@ from tiered_kv.release import cleared, emptied
 
 #: ``release(key, place, parent)``: put a parked key back at the old end of list ``place``.
 Release = Callable[[ChunkKey, int, "ChunkKey | None"], None]
+#: ``insert(key, parent)``, positional: a policy's insert step for a batch caller.
+InsertStep = Callable[[ChunkKey, "ChunkKey | None"], None]
+
+
+def batch_insert(insert: Callable[[ChunkKey, ChunkKey | None], None], own: object, step: InsertStep) -> InsertStep:
+    """What a policy over :class:`~tiered_kv._keytable.PrefixLists` hands a batch caller
+    (:class:`~tiered_kv.interfaces.BatchInsertPolicy`): its C ``step`` while its bound
+    ``insert`` is still its ``own`` function, else ``insert`` itself (a subclass, or a
+    patch of the class or of the instance, replaced it)."""
+    return step if getattr(insert, "__func__", None) is own else insert
 
 
 class PrefixLinks:
