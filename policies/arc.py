@@ -80,7 +80,7 @@ class ARC:
 
     def inserter(self) -> InsertStep:
         """:meth:`insert`'s C step, positional (see :func:`~tiered_kv.policies.prefix.batch_insert`)."""
-        return batch_insert(self.insert, _INSERT, self._lists.arc_insert)
+        return batch_insert(self, _INSERT, self._lists.arc_insert)
 
     def touch(self, key: ChunkKey) -> None:
         """A hit makes ``key`` the newest of T2 (from T1, or parked). In C."""

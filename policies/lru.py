@@ -57,7 +57,7 @@ class LRU:
 
     def inserter(self) -> InsertStep:
         """:meth:`insert`'s C step, positional (see :func:`~tiered_kv.policies.prefix.batch_insert`)."""
-        return batch_insert(self.insert, _INSERT, self._lists.lru_insert)
+        return batch_insert(self, _INSERT, self._lists.lru_insert)
 
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         add_new(self._order, keys, None, self._links.is_parked)

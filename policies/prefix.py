@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from tiered_kv._keytable import KeyInts, KeyOrder, PrefixLists
 from tiered_kv.errors import PolicyError
+from tiered_kv.interfaces import CachePolicy
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policies._checks import missing
 from tiered_kv.release import cleared, emptied
@@ -33,12 +34,14 @@ Release = Callable[[ChunkKey, int, "ChunkKey | None"], None]
 InsertStep = Callable[[ChunkKey, "ChunkKey | None"], None]
 
 
-def batch_insert(insert: Callable[[ChunkKey, ChunkKey | None], None], own: object, step: InsertStep) -> InsertStep:
+def batch_insert(policy: CachePolicy, own: object, step: InsertStep) -> InsertStep:
     """What a policy over :class:`~tiered_kv._keytable.PrefixLists` hands a batch caller
-    (:class:`~tiered_kv.interfaces.BatchInsertPolicy`): its C ``step`` while its bound
-    ``insert`` is still its ``own`` function, else ``insert`` itself (a subclass, or a
-    patch of the class or of the instance, replaced it)."""
-    return step if getattr(insert, "__func__", None) is own else insert
+    (:class:`~tiered_kv.interfaces.BatchInsertPolicy`): its C ``step`` while its
+    ``insert`` is still its ``own`` function bound to itself, else that ``insert`` (a
+    subclass, or a patch of the class or of the instance, replaced it)."""
+    insert = policy.insert
+    mine = getattr(insert, "__func__", None) is own and getattr(insert, "__self__", None) is policy
+    return step if mine else insert
 
 
 class PrefixLinks:

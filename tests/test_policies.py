@@ -257,6 +257,11 @@ def test_a_subclass_overriding_touch_and_insert_is_called(maker: type) -> None:
         partition.inserter("plain", 1)(b"c", None)
         partition.insert("plain", b"d")
     assert calls[-2:] == ["patched", "patched"] and b"c" not in patched
+    # Even by the same function bound to another policy: the keys go where insert sends them.
+    other = Plain(4)
+    with mock.patch.object(patched, "insert", other.insert):
+        partition.inserter("plain", 1)(b"e", None)
+    assert b"e" in other and b"e" not in patched
 
 
 @pytest.mark.parametrize("maker", [LRU, ARC])
