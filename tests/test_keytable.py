@@ -81,15 +81,50 @@ class TableMachine(RuleBasedStateMachine):
             self.order.insert_new(keys, value)
         assert error.value.args == (clash,)
 
-    @rule(keys=st.lists(KEYS, max_size=40))
-    def grow(self, keys: list[bytes]) -> None:
-        """Many fresh keys at once, so that the tables grow (and move buckets) often."""
+    @rule(keys=st.lists(KEYS, max_size=40), batch=st.booleans())
+    def grow(self, keys: list[bytes], batch: bool) -> None:
+        """Many fresh keys at once, so that the tables grow (and move buckets) often; in
+        one batch (probed ahead, see set_many) or one by one."""
         fresh = [b"g" + k + bytes([i]) for i, k in enumerate(keys)]
-        self.ints.update((k, len(k)) for k in fresh)
+        if batch:
+            self.ints.set_many(fresh, [len(k) for k in fresh])
+            self.order.set_many(fresh, fresh)
+        else:
+            self.ints.update((k, len(k)) for k in fresh)
+            for k in fresh:
+                self.order[k] = k
         self.ints_model.update((k, len(k)) for k in fresh)
-        for k in fresh:
-            self.order[k] = k
-            self.order_model[k] = k
+        self.order_model.update((k, k) for k in fresh)
+
+    @rule(
+        keys=st.lists(KEYS, max_size=40),
+        value=st.one_of(st.none(), KEYS),
+        bad_at=st.one_of(st.none(), st.integers(0, 40)),
+        short=st.booleans(),
+    )
+    def set_many(self, keys: list[bytes], value: bytes | None, bad_at: int | None, short: bool) -> None:
+        """Keys listed twice or present (set again, in place), a key that is not bytes (the
+        pairs before it set, as update does), or one value too few (nothing set)."""
+        if bad_at is not None:
+            keys = [*keys[:bad_at], "not bytes", *keys[bad_at:]]  # type: ignore[list-item]
+        values = list(range(len(keys) - short))
+        if short and keys:
+            with pytest.raises(ValueError, match="a value per key"):
+                self.ints.set_many(keys, values)
+            with pytest.raises(ValueError, match="a value per key"):
+                self.order.set_many(keys, [value] * len(values))
+            return
+        good = keys if bad_at is None else keys[: keys.index("not bytes")]  # type: ignore[arg-type]
+        if len(good) < len(keys):
+            with pytest.raises(TypeError):
+                self.ints.set_many(keys, values)
+            with pytest.raises(TypeError):
+                self.order.set_many(keys, [value] * len(keys))
+        else:
+            self.ints.set_many(keys, values)
+            self.order.set_many(keys, [value] * len(keys))
+        self.ints_model.update(zip(good, values, strict=False))
+        self.order_model.update((k, value) for k in good)
 
     @rule(n=st.integers(-1, 300))
     def reserve(self, n: int) -> None:
@@ -166,6 +201,40 @@ def test_a_reserved_table_fills_without_growing_its_buckets(table_type: type) ->
     assert list(reserved) == list(grown) == keys
     reserved.reserve(10**6)  # a table holding entries: no effect
     assert list(reserved) == keys and sys.getsizeof(grown) - sys.getsizeof(reserved) == 4096 * 4
+
+
+@pytest.mark.parametrize("table_type", [KeyOrder, KeyInts])
+def test_batches_set_and_inserted_with_their_probes_ahead_stay_findable_through_growth(table_type: type) -> None:
+    """Batches far longer than the probes run ahead, into tables through their growths,
+    keys listed again in later batches: each ends as a dict of the same pairs does."""
+    value = (lambda i: i) if table_type is KeyInts else (lambda i: i.to_bytes(4, "little"))
+    keys = [i.to_bytes(8, "little") for i in range(200_000)]
+    by_set, by_insert, model = table_type(), table_type(), {}
+    for at in range(0, len(keys), 5000):
+        batch = keys[at : at + 5000]
+        again = keys[at // 2 : at // 2 + 300]  # set again, in place, with other values
+        by_set.set_many(batch + again, [value(i) for i in range(len(batch) + len(again))])
+        model.update(zip(batch + again, [value(i) for i in range(len(batch) + len(again))], strict=True))
+        by_insert.insert_new(batch, value(at))
+    assert by_set == model and list(by_set) == keys
+    assert list(by_insert) == keys and all(by_insert[k] == value(i // 5000 * 5000) for i, k in enumerate(keys))
+
+
+def test_set_many_takes_a_sequence_of_keys_and_one_value_each() -> None:
+    table = KeyInts()
+    with pytest.raises(TypeError, match="not one key"):
+        table.set_many(b"key", [1, 2, 3])
+    with pytest.raises(TypeError, match="sequence of keys"):
+        table.set_many(3, [1])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="sequence of values"):
+        table.set_many([b"a"], 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="2 values for 1 keys"):
+        table.set_many([b"a"], [1, 2])
+    with pytest.raises(TypeError, match="integers"):
+        table.set_many([b"a", b"b"], [1, "2"])  # type: ignore[list-item]
+    assert list(table.items()) == [(b"a", 1)]  # as update: the pairs before the bad one set
+    table.set_many((k for k in [b"c", b"d"]), iter([3, 4]))  # any iterables, as lists
+    assert list(table.items()) == [(b"a", 1), (b"c", 3), (b"d", 4)]
 
 
 def test_reserve_refuses_more_than_a_table_holds() -> None:

@@ -284,6 +284,40 @@ append(Table *t, PyObject *key, Py_hash_t hash, PyObject *obj, long long num)
     return i;
 }
 
+/* A batch's probes, each in a random bucket of a table of up to millions of entries,
+ * would each wait on memory twice: for the bucket's head, then for the first entry of
+ * its chain. ``probe_ahead(t, items, i, n)`` before probing ``items[i]`` brings in the
+ * head of the key PROBE_AHEAD places on, and the first entry of the one half as far
+ * (whose head came in earlier), so that the waits overlap. Only a hint: a key that is
+ * not exact bytes is skipped (its probe raises); the hashes are cached in the keys. */
+#define PROBE_AHEAD 16
+
+static inline void
+prefetch_head(Table *t, PyObject *key)
+{
+    if (PyBytes_CheckExact(key))
+        __builtin_prefetch(&t->main.heads[(size_t)PyObject_Hash(key) & t->main.mask]);
+}
+
+static inline void
+prefetch_chain(Table *t, PyObject *key)
+{
+    if (!PyBytes_CheckExact(key))
+        return;
+    int32_t head = t->main.heads[(size_t)PyObject_Hash(key) & t->main.mask];
+    if (head)
+        __builtin_prefetch(ENTRY(t, head));
+}
+
+static inline void
+probe_ahead(Table *t, PyObject *const *items, Py_ssize_t i, Py_ssize_t n)
+{
+    if (i + PROBE_AHEAD < n)
+        prefetch_head(t, items[i + PROBE_AHEAD]);
+    if (i + PROBE_AHEAD / 2 < n)
+        prefetch_chain(t, items[i + PROBE_AHEAD / 2]);
+}
+
 /* Take out the entry that ``link`` holds; returns its value's reference (or NULL for a
  * number, stored in *num). */
 static PyObject *
@@ -684,7 +718,10 @@ table_insert_new(Table *t, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
     PyObject **items = PySequence_Fast_ITEMS(keys);
     Py_ssize_t done = 0;
+    for (Py_ssize_t i = 0; i < PROBE_AHEAD / 2 && i < n; i++)
+        prefetch_head(t, items[i]);
     for (; done < n; done++) {
+        probe_ahead(t, items, done, n);
         PyObject *key = items[done];
         if (check_key(key) < 0)
             goto undo;
@@ -788,6 +825,48 @@ table_update(Table *t, PyObject *pairs)
     }
     Py_DECREF(it);
     if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Set each ``keys[i]`` to ``values[i]``, as update(zip(keys, values)) does (the pairs
+ * before a bad one stay set), with the probes of the batch overlapped. */
+static PyObject *
+table_set_many(Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_count("set_many", nargs, 2, 2) < 0)
+        return NULL;
+    if (PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "set_many() takes a sequence of keys, not one key");
+        return NULL;
+    }
+    PyObject *keys = PySequence_Fast(args[0], "set_many() takes a sequence of keys");
+    if (keys == NULL)
+        return NULL;
+    PyObject *values = PySequence_Fast(args[1], "set_many() takes a sequence of values");
+    if (values == NULL) {
+        Py_DECREF(keys);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    int rc = 0;
+    if (PySequence_Fast_GET_SIZE(values) != n) {
+        PyErr_Format(PyExc_ValueError, "set_many() takes a value per key: %zd values for %zd keys",
+                     PySequence_Fast_GET_SIZE(values), n);
+        rc = -1;
+    }
+    /* Neither a key's hash nor a value's conversion runs Python code (exact bytes; bytes,
+     * None or int, whose subclasses convert in C), so neither list changes meanwhile. */
+    PyObject **items = PySequence_Fast_ITEMS(keys), **given = PySequence_Fast_ITEMS(values);
+    for (Py_ssize_t i = 0; rc == 0 && i < PROBE_AHEAD / 2 && i < n; i++)
+        prefetch_head(t, items[i]);
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
+        probe_ahead(t, items, i, n);
+        rc = set_item(t, items[i], given[i]);
+    }
+    Py_DECREF(keys);
+    Py_DECREF(values);
+    if (rc < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -952,6 +1031,8 @@ static PyMethodDef table_methods[] = {
     {"insert_new", (PyCFunction)(void (*)(void))table_insert_new, METH_FASTCALL,
      "insert_new(keys, value): append absent keys, all or none"},
     {"update", (PyCFunction)table_update, METH_O, "update(pairs): set each (key, value)"},
+    {"set_many", (PyCFunction)(void (*)(void))table_set_many, METH_FASTCALL,
+     "set_many(keys, values): set each key to its value, as update(zip(keys, values))"},
     {"reserve", (PyCFunction)table_reserve, METH_O, "reserve(n): an empty table sized for n entries at once"},
     {"clear", (PyCFunction)table_clear, METH_NOARGS, NULL},
     {"clear_in_steps", (PyCFunction)table_clear_in_steps, METH_O,

@@ -35,6 +35,10 @@ class _Table(Generic[V]):
         """Append ``keys`` (all absent, none twice) with ``value``; ``KeyError(key)``
         naming the first that is not, and the table as it was."""
     def update(self, pairs: Iterable[tuple[bytes, V]], /) -> None: ...
+    def set_many(self, keys: Sequence[bytes], values: Sequence[V], /) -> None:
+        """``update(zip(keys, values, strict=True))`` with the probes of the batch
+        overlapped (a batch of a million-entry table's keys costs one memory wait, not
+        one per key); ``ValueError`` when the lengths differ."""
     def reserve(self, n: int, /) -> None:
         """An empty table about to be filled: its bucket array sized for ``n`` entries at
         once, so that it does not grow in steps (moving its buckets) as it fills. No

@@ -424,13 +424,13 @@ class TierIndex:
             raise TieredKVError(f"{self.tier}: restore_many without begin_restore")
         if not self._took_map:
             before = len(self._slots)
-            self._slots.update(zip(keys, slots, strict=True))
+            self._slots.set_many(keys, slots)
             if len(self._slots) != before + len(keys):
                 raise TieredKVError(f"{self.tier}: a restored chunk is already resident")
-        self._allocator.claim_many(slots)
-        if not slots:
-            return
         index = np.asarray(slots, dtype=np.int64)
+        self._allocator.claim_many(index)
+        if not index.size:
+            return
         np.frombuffer(self._state, dtype=np.uint8)[index] = READY
         np.frombuffer(self._namespace, dtype=np.uint32)[index] = self._namespaces.hold(namespace, len(slots))
         self._partition.insert_many(namespace, keys)

@@ -93,7 +93,7 @@ class SlotAllocator:
         self._free.pop()
         self._at[slot] = _TAKEN
 
-    def claim_many(self, slots: Sequence[int]) -> None:
+    def claim_many(self, slots: Sequence[int] | np.ndarray) -> None:
         """Take specific slots in bulk (a warm restart's batches): marked taken at once, the
         free list rebuilt only by :meth:`settle`, so that a restore of N slots costs O(N) in
         numpy rather than O(N) Python steps. Until then, nothing may be allocated."""

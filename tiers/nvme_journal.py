@@ -358,7 +358,7 @@ def recovered_chunks(slot_map: SlotMap) -> KeyInts:
     pacer = Pacer()
     for at in range(0, len(slot_map.slots), _STEP):
         keys, slots = slot_map.keys[at : at + _STEP].tolist(), slot_map.slots[at : at + _STEP].tolist()
-        chunks.update(zip(keys, slots, strict=True))
+        chunks.set_many(keys, slots)
         pacer.step()
     return chunks
 
