@@ -153,6 +153,13 @@ class TableMachine(RuleBasedStateMachine):
         more = self.dying > 0 or len(self.order_model) > 0
         assert self.order.clear_in_steps(n) is self.ints.clear_in_steps(n) is more
 
+    @rule(keys=st.lists(st.one_of(KEYS, st.just("not bytes")), max_size=40))
+    def contains_any(self, keys: list[bytes]) -> None:
+        """Batches longer than the probes run ahead, with keys absent, present and not
+        bytes (never present) anywhere in them."""
+        for table, model in ((self.order, self.order_model), (self.ints, self.ints_model)):
+            assert table.contains_any(keys) is any(k in model for k in keys)
+
     @invariant()
     def same_as_the_model(self) -> None:
         for table, model in ((self.order, self.order_model), (self.ints, self.ints_model)):
@@ -235,6 +242,16 @@ def test_set_many_takes_a_sequence_of_keys_and_one_value_each() -> None:
     assert list(table.items()) == [(b"a", 1)]  # as update: the pairs before the bad one set
     table.set_many((k for k in [b"c", b"d"]), iter([3, 4]))  # any iterables, as lists
     assert list(table.items()) == [(b"a", 1), (b"c", 3), (b"d", 4)]
+
+
+def test_contains_any_takes_any_iterable_of_keys_but_not_one_key() -> None:
+    table = KeyOrder()
+    table.set_many([b"a", b"b"], [None, None])
+    assert table.contains_any(iter([b"x", b"b"])) and not table.contains_any(()) and not table.contains_any([b"ab"])
+    with pytest.raises(TypeError, match="not one key"):
+        table.contains_any(b"a")
+    with pytest.raises(TypeError, match="sequence of keys"):
+        table.contains_any(1)  # type: ignore[arg-type]
 
 
 def test_reserve_refuses_more_than_a_table_holds() -> None:

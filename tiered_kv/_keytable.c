@@ -829,6 +829,33 @@ table_update(Table *t, PyObject *pairs)
     Py_RETURN_NONE;
 }
 
+/* Whether any of ``keys`` is in the table (others than exact bytes never are), with the
+ * probes of the batch overlapped; stops at the first found. */
+static PyObject *
+table_contains_any(Table *t, PyObject *arg)
+{
+    if (PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "contains_any() takes a sequence of keys, not one key");
+        return NULL;
+    }
+    PyObject *keys = PySequence_Fast(arg, "contains_any() takes a sequence of keys");
+    if (keys == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    int32_t found = 0;
+    for (Py_ssize_t i = 0; i < PROBE_AHEAD / 2 && i < n; i++)
+        prefetch_head(t, items[i]);
+    for (Py_ssize_t i = 0; found == 0 && i < n; i++) {
+        probe_ahead(t, items, i, n);
+        found = find(t, items[i]);
+    }
+    Py_DECREF(keys);
+    if (found < 0)
+        return NULL;
+    return PyBool_FromLong(found > 0);
+}
+
 /* Set each ``keys[i]`` to ``values[i]``, as update(zip(keys, values)) does (the pairs
  * before a bad one stay set), with the probes of the batch overlapped. */
 static PyObject *
@@ -1031,6 +1058,8 @@ static PyMethodDef table_methods[] = {
     {"insert_new", (PyCFunction)(void (*)(void))table_insert_new, METH_FASTCALL,
      "insert_new(keys, value): append absent keys, all or none"},
     {"update", (PyCFunction)table_update, METH_O, "update(pairs): set each (key, value)"},
+    {"contains_any", (PyCFunction)table_contains_any, METH_O,
+     "contains_any(keys): whether any of keys is in the table"},
     {"set_many", (PyCFunction)(void (*)(void))table_set_many, METH_FASTCALL,
      "set_many(keys, values): set each key to its value, as update(zip(keys, values))"},
     {"reserve", (PyCFunction)table_reserve, METH_O, "reserve(n): an empty table sized for n entries at once"},

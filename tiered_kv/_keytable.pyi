@@ -35,6 +35,8 @@ class _Table(Generic[V]):
         """Append ``keys`` (all absent, none twice) with ``value``; ``KeyError(key)``
         naming the first that is not, and the table as it was."""
     def update(self, pairs: Iterable[tuple[bytes, V]], /) -> None: ...
+    def contains_any(self, keys: Iterable[bytes], /) -> bool:
+        """Whether any of ``keys`` is in the table, the probes of the batch overlapped."""
     def set_many(self, keys: Sequence[bytes], values: Sequence[V], /) -> None:
         """``update(zip(keys, values, strict=True))`` with the probes of the batch
         overlapped (a batch of a million-entry table's keys costs one memory wait, not
