@@ -62,6 +62,9 @@ class LRU:
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         add_new(self._order, keys, None, self._links.is_parked)
 
+    def reserve(self, n: int) -> None:
+        self._order.reserve(n)
+
     def clear_in_steps(self) -> Iterator[None]:
         """Forget every key, a step at a time (a closing manager's); empty after the first."""
         yield from self._links.clear_in_steps(self._order)

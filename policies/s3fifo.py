@@ -134,6 +134,9 @@ class S3FIFO:
         self._small.extend(keys)
         self._n_small += len(keys)
 
+    def reserve(self, n: int) -> None:
+        self._state.reserve(n)
+
     def touch(self, key: ChunkKey) -> None:
         state = self._state
         try:

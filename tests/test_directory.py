@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import array
 import random
+import sys
 
 import pytest
 
 from tiered_kv._keytable import KeyInts, Protection
 from tiered_kv.directory import PENDING, READY, LeaseEpoch, TierIndex
-from tiered_kv.errors import TieredKVError
+from tiered_kv.errors import PolicyError, TieredKVError
 from tiered_kv.partition import TierPartition
+from tiered_kv.policies import LRU
 
 TENANTS = ["a" * 64, "b" * 64]
 
@@ -172,6 +174,49 @@ def test_a_warm_restart_in_batches_restores_every_chunk_and_then_works_as_usual(
     assert sorted(reserved.slots.values()) == [2, 5] and reserved.evicted == []
     assert index.reserve([b"o" * 16, b"p" * 16], TENANTS[0]).evicted[0].key == keys[0]  # the oldest goes first
     index.check()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
+@pytest.mark.parametrize("takes_the_map", [True, False])
+def test_a_warm_restart_that_takes_the_map_sizes_the_policys_table_once_for_what_comes(
+    policy: str, takes_the_map: bool
+) -> None:
+    """Told how many come, the policy's table is sized for them all at once (a million
+    keys' table that grows as it fills moves them meanwhile); without the map, untold.
+    Either way the restart ends the same."""
+    partition = TierPartition("nvme", 4096)
+    partition.add_namespace(TENANTS[0], policy)
+    index = TierIndex("nvme", partition, LeaseEpoch())
+    chunks = KeyInts()
+    chunks.set_many([i.to_bytes(16, "little") for i in range(3000)], list(range(3000)))
+    keys, slots = list(chunks), list(chunks.values())
+    table = {"lru": "_order", "arc": "_t1", "s3fifo": "_state"}[policy]
+    before = sys.getsizeof(getattr(partition.policy(TENANTS[0]), table))
+    index.begin_restore(chunks if takes_the_map else None, TENANTS[0])
+    told = sys.getsizeof(getattr(partition.policy(TENANTS[0]), table))
+    assert (told - before >= 3000 * 4) is takes_the_map  # buckets for all, at once
+    for start in range(0, len(keys), 1000):
+        index.restore_many(keys[start : start + 1000], slots[start : start + 1000], TENANTS[0])
+    index.settle()
+    index.check()
+    assert list(partition.policy(TENANTS[0]).evict(3, lambda key: False) or ()) == keys[:3]
+
+
+def test_a_restore_tells_a_policy_at_most_the_tiers_capacity_and_an_unlistening_policy_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    told: list[int] = []
+    monkeypatch.setattr(LRU, "reserve", lambda self, n: told.append(n))
+    partition = TierPartition("nvme", 16)
+    partition.add_namespace(TENANTS[0], "lru")
+    partition.reserve(TENANTS[0], 10**9)
+    partition.reserve(TENANTS[0], 5)
+    assert told == [16, 5]
+    monkeypatch.delattr(LRU, "reserve")
+    partition.reserve(TENANTS[0], 5)  # no longer a ReservingPolicy: nothing to tell
+    assert told == [16, 5]
+    with pytest.raises(PolicyError, match="was not added"):
+        partition.reserve("other", 5)
 
 
 def test_a_warm_restart_that_misses_a_batch_or_starts_on_a_used_index_is_refused() -> None:

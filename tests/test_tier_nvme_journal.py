@@ -215,6 +215,38 @@ async def test_compaction_keeps_the_journal_bounded(tmp_path: Path) -> None:
     await crashed.close()
 
 
+@pytest.mark.parametrize("close", ["clean", "crash"])
+async def test_a_checkpoint_with_an_empty_journal_is_replayed_from_the_file_as_read_not_a_copy(
+    tmp_path: Path, close: str
+) -> None:
+    """A clean close leaves a checkpoint and an empty journal: its records are replayed
+    where they were read (a copy of a million into new memory cost the reopen 20-80 ms
+    of page faults). A journal with records is replayed after the checkpoint's."""
+    tier = await open_store(tmp_path / "live", compact_every=SLOTS)
+    await tier.write([op(slot, 1) for slot in range(SLOTS)])
+    await tier.sync()  # folded into the checkpoint: the journal is due
+    tier.forget([2])
+    await tier.write([op(2, 2)])
+    await tier.sync()
+    if close == "crash":
+        directory = crash_copy(tier, tmp_path / "crashed").parent
+        await tier.close()
+    else:
+        await tier.close()
+        directory = tmp_path / "live"
+    store = next(directory.iterdir())
+    dir_fd = os.open(store, os.O_RDONLY)
+    try:
+        files = nvme_journal.read_files(dir_fd, store, 0, fingerprint=None, slot_bytes=None)
+    finally:
+        os.close(dir_fd)
+    assert files.records.flags.owndata is (close == "crash")
+    expected = {key(slot, 2 if slot == 2 else 1): slot for slot in range(SLOTS)}
+    reopened = await open_store(directory)
+    assert reopened.recovered() == expected
+    await reopened.close()
+
+
 async def test_the_recovered_map_is_handed_out_until_the_store_changes(tmp_path: Path) -> None:
     tier = await open_store(tmp_path)
     await tier.write([op(0, 1)])

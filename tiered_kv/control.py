@@ -368,7 +368,7 @@ class ControlPlane:
         as the pool's index, and the batches are its items; without it, each batch adds
         its own (see :meth:`TierIndex.begin_restore`)."""
         assert pool.nvme is not None
-        pool.nvme.begin_restore(chunks)
+        pool.nvme.begin_restore(chunks, pool.fingerprint)
 
     def restore(self, pool: Pool, keys: Sequence[ChunkKey], slots: Sequence[int]) -> None:
         """Record a batch of the chunks :meth:`begin_restore` named. A warm restart cannot

@@ -401,17 +401,20 @@ class TierIndex:
         self._allocator.claim(slot)
         self._occupy_many([key], [slot], owner, owner if namespace is None else namespace, READY, {key: parent}.get)
 
-    def begin_restore(self, chunks: KeyInts | None = None) -> None:
+    def begin_restore(self, chunks: KeyInts | None = None, namespace: str | None = None) -> None:
         """Start a warm restart into this index, which must hold nothing yet; then
         :meth:`restore_many` batch by batch, and :meth:`settle`.
 
         ``chunks``, key → slot of every chunk the store holds, becomes the index's map
         as it is, not copied (the caller gives it up), so that a million chunks cost the
-        loop no table building; the batches are then its items. Without it, each batch
-        adds its own chunks to the map."""
+        loop no table building; the batches are then its items, and ``namespace``'s
+        policy (the namespace they are restored for) is told how many come. Without it,
+        each batch adds its own chunks to the map."""
         if self._slots or self._partition.used or self._restoring is not None:
             raise TieredKVError(f"{self.tier}: a warm restart starts from an empty index")
         if chunks is not None:
+            if namespace is not None:
+                self._partition.reserve(namespace, len(chunks))
             self._slots = chunks
             self._records = self._records_of(chunks)
         self._restoring = 0

@@ -267,6 +267,18 @@ class BulkInsertPolicy(CachePolicy, Protocol):
 
 
 @runtime_checkable
+class ReservingPolicy(CachePolicy, Protocol):
+    """A policy told how many keys a warm restart's :meth:`~BulkInsertPolicy.insert_many`
+    batches are about to bring, so that it sizes its tables once: a table of a million
+    keys that grows as it fills moves its entries meanwhile, a third of the restart's
+    cost of inserting them. A hint: what the policy holds does not change."""
+
+    def reserve(self, n: int) -> None:
+        """About ``n`` keys are coming (a table holding keys already need not change)."""
+        ...
+
+
+@runtime_checkable
 class BatchInsertPolicy(CachePolicy, Protocol):
     """A policy that hands a caller inserting a batch key by key (a residency index
     recording a store's chunks) the step its :meth:`~CachePolicy.insert` runs, to be

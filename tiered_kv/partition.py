@@ -29,7 +29,13 @@ from typing import cast
 
 from tiered_kv.checks import is_int_at_least
 from tiered_kv.errors import ConfigError, PolicyError
-from tiered_kv.interfaces import BatchInsertPolicy, BulkInsertPolicy, CachePolicy, SteppedClearPolicy
+from tiered_kv.interfaces import (
+    BatchInsertPolicy,
+    BulkInsertPolicy,
+    CachePolicy,
+    ReservingPolicy,
+    SteppedClearPolicy,
+)
 from tiered_kv.keys import ChunkKey
 from tiered_kv.policy_factory import make_policy
 
@@ -167,6 +173,14 @@ class TierPartition:
     def count_inserted(self, n: int) -> None:
         """Count ``n`` keys inserted through :meth:`inserter`."""
         self._used += n
+
+    def reserve(self, namespace: str, n: int) -> None:
+        """Tell ``namespace``'s policy, if it listens (see
+        :class:`~tiered_kv.interfaces.ReservingPolicy`), that :meth:`insert_many` batches
+        of about ``n`` keys (at most the tier's) are coming."""
+        policy = self._share(namespace).policy
+        if isinstance(policy, ReservingPolicy):
+            policy.reserve(min(n, self.capacity))
 
     def insert_many(self, namespace: str, keys: Sequence[ChunkKey]) -> None:
         """:meth:`insert` of each of ``keys``, in order (a warm restart's batches)."""

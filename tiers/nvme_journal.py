@@ -294,12 +294,16 @@ def read_files(
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
-    """``parts`` in one array, copied by assignment (which lets go of the interpreter)."""
-    if len(parts) == 1:
-        return parts[0]
-    joined = np.empty(sum(len(part) for part in parts), dtype=RECORD)
+    """``parts`` in one array, copied by assignment (which lets go of the interpreter);
+    not copied where only one holds records (a checkpoint and the empty journal a clean
+    close leaves: a copy of a million records into new memory costs 20-80 ms of page
+    faults)."""
+    filled = [part for part in parts if len(part)]
+    if len(filled) <= 1:
+        return filled[0] if filled else np.empty(0, dtype=RECORD)
+    joined = np.empty(sum(len(part) for part in filled), dtype=RECORD)
     at = 0
-    for part in parts:
+    for part in filled:
         joined[at : at + len(part)] = part
         at += len(part)
     return joined
