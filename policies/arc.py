@@ -120,7 +120,7 @@ class ARC:
             return
         add_new(self._t1, keys, None, self._links.is_parked, self._t2)
 
-    def reserve(self, n: int) -> None:
+    def expect_restored(self, n: int) -> None:
         self._t1.reserve(n)  # where insert_many puts keys that are no ghosts
 
     def remove(self, key: ChunkKey) -> None:

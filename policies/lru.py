@@ -62,7 +62,7 @@ class LRU:
     def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         add_new(self._order, keys, None, self._links.is_parked)
 
-    def reserve(self, n: int) -> None:
+    def expect_restored(self, n: int) -> None:
         self._order.reserve(n)
 
     def clear_in_steps(self) -> Iterator[None]:

@@ -134,7 +134,7 @@ class S3FIFO:
         self._small.extend(keys)
         self._n_small += len(keys)
 
-    def reserve(self, n: int) -> None:
+    def expect_restored(self, n: int) -> None:
         self._state.reserve(n)
 
     def touch(self, key: ChunkKey) -> None:

@@ -9,6 +9,7 @@ import random
 import sys
 
 import pytest
+from structlog.testing import capture_logs
 
 from tiered_kv._keytable import KeyInts, Protection
 from tiered_kv.directory import PENDING, READY, LeaseEpoch, TierIndex
@@ -202,21 +203,44 @@ def test_a_warm_restart_that_takes_the_map_sizes_the_policys_table_once_for_what
     assert list(partition.policy(TENANTS[0]).evict(3, lambda key: False) or ()) == keys[:3]
 
 
-def test_a_restore_tells_a_policy_at_most_the_tiers_capacity_and_an_unlistening_policy_nothing(
+def test_a_restore_hint_tells_a_policy_at_most_the_tiers_capacity_and_nothing_of_an_empty_restart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     told: list[int] = []
-    monkeypatch.setattr(LRU, "reserve", lambda self, n: told.append(n))
+    monkeypatch.setattr(LRU, "expect_restored", lambda self, n: told.append(n))
     partition = TierPartition("nvme", 16)
     partition.add_namespace(TENANTS[0], "lru")
-    partition.reserve(TENANTS[0], 10**9)
-    partition.reserve(TENANTS[0], 5)
+    partition.expect_restored(TENANTS[0], 10**9)
+    partition.expect_restored(TENANTS[0], 5)
+    partition.expect_restored(TENANTS[0], 0)
     assert told == [16, 5]
-    monkeypatch.delattr(LRU, "reserve")
-    partition.reserve(TENANTS[0], 5)  # no longer a ReservingPolicy: nothing to tell
+    monkeypatch.delattr(LRU, "expect_restored")
+    partition.expect_restored(TENANTS[0], 5)  # no longer a RestoreHintPolicy: nothing to tell
     assert told == [16, 5]
     with pytest.raises(PolicyError, match="was not added"):
-        partition.reserve("other", 5)
+        partition.expect_restored("other", 5)
+
+
+@pytest.mark.parametrize("hint", [RuntimeError("hint failed"), TypeError("not a key")])
+def test_a_restore_hint_that_raises_is_logged_and_the_restart_goes_on(
+    monkeypatch: pytest.MonkeyPatch, hint: Exception
+) -> None:
+    def expect_restored(self: LRU, n: int) -> None:
+        raise hint
+
+    monkeypatch.setattr(LRU, "expect_restored", expect_restored)
+    partition = TierPartition("nvme", 8)
+    partition.add_namespace(TENANTS[0], "lru")
+    index = TierIndex("nvme", partition, LeaseEpoch())
+    chunks = KeyInts()
+    chunks.set_many([b"a" * 16, b"b" * 16], [3, 5])
+    with capture_logs() as logs:
+        index.begin_restore(chunks, TENANTS[0])
+    index.restore_many([b"a" * 16, b"b" * 16], [3, 5], TENANTS[0])
+    index.settle()
+    index.check()
+    assert [(e["event"], e["policy"], e["error"]) for e in logs] == [("policy.restore_hint_failed", "lru", repr(hint))]
+    assert index.ready_for(b"b" * 16, TENANTS[0]) and index.slot(b"b" * 16) == 5
 
 
 def test_a_warm_restart_that_misses_a_batch_or_starts_on_a_used_index_is_refused() -> None:

@@ -414,7 +414,7 @@ class TierIndex:
             raise TieredKVError(f"{self.tier}: a warm restart starts from an empty index")
         if chunks is not None:
             if namespace is not None:
-                self._partition.reserve(namespace, len(chunks))
+                self._partition.expect_restored(namespace, len(chunks))
             self._slots = chunks
             self._records = self._records_of(chunks)
         self._restoring = 0

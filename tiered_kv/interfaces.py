@@ -267,14 +267,15 @@ class BulkInsertPolicy(CachePolicy, Protocol):
 
 
 @runtime_checkable
-class ReservingPolicy(CachePolicy, Protocol):
+class RestoreHintPolicy(CachePolicy, Protocol):
     """A policy told how many keys a warm restart's :meth:`~BulkInsertPolicy.insert_many`
     batches are about to bring, so that it sizes its tables once: a table of a million
     keys that grows as it fills moves its entries meanwhile, a third of the restart's
-    cost of inserting them. A hint: what the policy holds does not change."""
+    cost of inserting them. A hint: what the policy holds does not change, and one that
+    raises is logged (``policy.restore_hint_failed``) and the restart goes on."""
 
-    def reserve(self, n: int) -> None:
-        """About ``n`` keys are coming (a table holding keys already need not change)."""
+    def expect_restored(self, n: int) -> None:
+        """About ``n`` (> 0) keys are coming (a table holding keys already need not change)."""
         ...
 
 

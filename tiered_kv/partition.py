@@ -33,11 +33,14 @@ from tiered_kv.interfaces import (
     BatchInsertPolicy,
     BulkInsertPolicy,
     CachePolicy,
-    ReservingPolicy,
+    RestoreHintPolicy,
     SteppedClearPolicy,
 )
 from tiered_kv.keys import ChunkKey
+from tiered_kv.log import get_logger
 from tiered_kv.policy_factory import make_policy
+
+log = get_logger("partition")
 
 
 class _Share:
@@ -174,13 +177,18 @@ class TierPartition:
         """Count ``n`` keys inserted through :meth:`inserter`."""
         self._used += n
 
-    def reserve(self, namespace: str, n: int) -> None:
+    def expect_restored(self, namespace: str, n: int) -> None:
         """Tell ``namespace``'s policy, if it listens (see
-        :class:`~tiered_kv.interfaces.ReservingPolicy`), that :meth:`insert_many` batches
-        of about ``n`` keys (at most the tier's) are coming."""
+        :class:`~tiered_kv.interfaces.RestoreHintPolicy`), that :meth:`insert_many`
+        batches of about ``n`` keys (at most the tier's) are coming. A hint that raises
+        is logged: the restart goes on without it."""
         policy = self._share(namespace).policy
-        if isinstance(policy, ReservingPolicy):
-            policy.reserve(min(n, self.capacity))
+        if n <= 0 or not isinstance(policy, RestoreHintPolicy):
+            return
+        try:
+            policy.expect_restored(min(n, self.capacity))
+        except Exception as exc:  # a plug-in's hint: never worth a restart
+            log.warning("policy.restore_hint_failed", tier=self.tier, policy=policy.name, error=repr(exc))
 
     def insert_many(self, namespace: str, keys: Sequence[ChunkKey]) -> None:
         """:meth:`insert` of each of ``keys``, in order (a warm restart's batches)."""

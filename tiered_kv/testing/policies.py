@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tiered_kv.errors import PolicyError
-from tiered_kv.interfaces import BulkInsertPolicy, CachePolicy, ReservingPolicy, SteppedClearPolicy
+from tiered_kv.interfaces import BulkInsertPolicy, CachePolicy, RestoreHintPolicy, SteppedClearPolicy
 from tiered_kv.keys import KEY_BYTES, ChunkKey
 
 PolicyMaker = Callable[[int], CachePolicy]
@@ -426,11 +426,11 @@ def policy_state_machine(
                 self.twin.insert(key)
                 self.model[key] = None
 
-        @precondition(lambda self: isinstance(self.policy, ReservingPolicy))
-        @rule(n=st.integers(0, 4 * capacity))
-        def reserve(self, n: int) -> None:
+        @precondition(lambda self: isinstance(self.policy, RestoreHintPolicy))
+        @rule(n=st.integers(1, 4 * capacity))
+        def expect_restored(self, n: int) -> None:
             """A hint, empty or not: the policy holds and decides as its twin does."""
-            cast(ReservingPolicy, self.policy).reserve(n)
+            cast(RestoreHintPolicy, self.policy).expect_restored(n)
 
         @rule(i=indices)
         def touch(self, i: int) -> None:
