@@ -3,7 +3,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import structlog
 from hypothesis import HealthCheck, settings
@@ -93,3 +95,22 @@ def run_with_output_closed(*args: str) -> subprocess.CompletedProcess[str]:
         )
     finally:
         os.close(write_end)
+
+
+def huge_page_eligible(array: np.ndarray) -> bool | None:
+    """Whether the kernel may back ``array``'s mapping with huge pages (None: it does
+    not say)."""
+    smaps = Path("/proc/self/smaps")
+    if not smaps.exists():
+        return None
+    address, inside = (
+        array.__array_interface__["data"][0] + array.nbytes // 2,
+        False,
+    )  # numpy advises its aligned middle
+    for line in smaps.read_text().splitlines():
+        if "-" in line.split(" ")[0] and not line.startswith(("THP", "Size")):
+            start, end = (int(part, 16) for part in line.split(" ")[0].split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    return None

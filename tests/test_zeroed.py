@@ -6,11 +6,12 @@ import os
 
 import numpy as np
 import pytest
+from conftest import huge_page_eligible
 
 from tiered_kv.directory import LeaseEpoch, TierIndex
 from tiered_kv.keys import ChunkKey
 from tiered_kv.partition import TierPartition
-from tiered_kv.zeroed import MAPPED_BYTES, mapped_bytes, zeroed
+from tiered_kv.zeroed import MAPPED_BYTES, mapped_bytes, zeroed, zeroed_array
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.int32, np.uint32, np.int64])
@@ -68,3 +69,25 @@ def test_mapped_bytes_counts_the_mapped_arrays_alive_whole_and_no_heap_array() -
     assert mapped_bytes() - before == 8 * MAPPED_BYTES  # untouched pages count too, as calloc's did
     del mapped
     assert mapped_bytes() == before and len(small) == 16
+
+
+def test_zeroed_array_takes_any_dtype_a_structured_one_too() -> None:
+    record = np.dtype([("slot", "<u4"), ("live", "u1"), ("pad", "V3"), ("key", "V16")])
+    for n in (3, MAPPED_BYTES):
+        array = zeroed_array(n, record)
+        assert array.dtype == record and len(array) == n and not array["slot"].any()
+        array["slot"][-1] = 5
+        assert int(array["slot"].sum()) == 5
+
+
+def test_a_large_zeroed_array_is_never_given_huge_pages_as_numpys_own_are() -> None:
+    """Where memory is fragmented, a huge page's first touch waits for the kernel to
+    compact it (10-200 ms for 24 MB on the development VM): the slot maps of a million
+    entries read and folded in driver threads take 4 KiB pages."""
+    own = np.empty(8 << 20, np.uint8)
+    own[:] = 0
+    if huge_page_eligible(own) is not True:
+        pytest.skip("this system gives numpy's arrays no huge pages (or does not say)")
+    mapped = zeroed_array(8 << 20, np.uint8)
+    mapped[:] = 1
+    assert huge_page_eligible(mapped) is False

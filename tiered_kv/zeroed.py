@@ -7,6 +7,7 @@ import mmap
 import weakref
 
 import numpy as np
+import numpy.typing as npt
 
 #: Arrays smaller than this come from the C library's heap: clearing them costs little,
 #: and a mapping per array of a small tier would spend the process's mappings.
@@ -20,7 +21,13 @@ _numbers = itertools.count()
 
 
 def zeroed(n: int, dtype: type[np.generic]) -> memoryview:
-    """``n`` zeroed items of ``dtype``, indexed as fast as an ``array.array``.
+    """``n`` zeroed items of ``dtype``, indexed as fast as an ``array.array``: the memory
+    of :func:`zeroed_array`."""
+    return zeroed_array(n, dtype).data
+
+
+def zeroed_array(n: int, dtype: npt.DTypeLike) -> np.ndarray:
+    """``n`` zeroed items of ``dtype``.
 
     Mapped anonymously, so the kernel hands out zero pages as they are first touched and
     takes them back when the array goes: a tier of a million slots costs the loop no
@@ -30,15 +37,21 @@ def zeroed(n: int, dtype: type[np.generic]) -> memoryview:
     ``np.zeros`` does the same only while the C library maps blocks this large anew; once
     a freed index lowered its threshold, the C library clears such a block from its heap
     with ``memset``: 10–20 ms at a million slots.
+
+    Mapped in 4 KiB pages, too: numpy asks the kernel for huge pages for an array of 4 MB
+    or more (``MADV_HUGEPAGE``), and where memory is fragmented the first touch of each
+    2 MB page waits for the kernel to compact it: 10–200 ms for 24 MB on the development
+    VM, against a steady 15 ms for its 4 KiB pages. Large transient arrays (a slot map of
+    a million entries read, folded or written) come from here for that reason.
     """
     size = n * np.dtype(dtype).itemsize
     if size < MAPPED_BYTES:
-        return np.zeros(n, dtype).data
+        return np.zeros(n, dtype)
     array = np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype)
     number = next(_numbers)
     _mapped[number] = size
     weakref.finalize(array, _mapped.pop, number, None)
-    return array.data
+    return array
 
 
 def mapped_bytes() -> int:

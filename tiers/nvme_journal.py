@@ -39,6 +39,7 @@ from tiered_kv.log import get_logger
 from tiered_kv.tiers._driver import Pacer
 from tiered_kv.tiers.nvme_files import open_file, read_file, replace_file
 from tiered_kv.tiers.nvme_format import GroupFile, group_file
+from tiered_kv.zeroed import zeroed_array
 
 FORMAT_VERSION = 1
 #: One record: slot, live (1: the slot holds key; 2: it holds key until the process ends,
@@ -123,7 +124,7 @@ def _records(data: bytes | bytearray | memoryview, offset: int, count: int) -> n
 def encode_checkpoint(identity: Identity, generation: int, slots: np.ndarray, keys: np.ndarray) -> list[memoryview]:
     """A checkpoint of live entries ``slots`` → ``keys``, as the buffers to write in order
     (the entries are not copied into one ``bytes``: that copy would hold the interpreter)."""
-    records = np.zeros(len(slots), dtype=RECORD)
+    records = zeroed_array(len(slots), RECORD)
     records["slot"] = slots
     records["live"] = 1
     records["key"] = keys
@@ -172,7 +173,7 @@ class _JournalRead:
 def _parse_journal(data: bytes | bytearray | memoryview) -> _JournalRead:
     identity, generation = _parse_header(data, _JOURNAL)
     view = memoryview(data)
-    records = np.empty(max(0, len(data) - _HEADER_BYTES) // RECORD.itemsize, dtype=RECORD)
+    records = zeroed_array(max(0, len(data) - _HEADER_BYTES) // RECORD.itemsize, RECORD)
     frames = held = 0
     at = _HEADER_BYTES
     pacer = Pacer()  # a frame per commit window: thousands of Python steps for a full journal
@@ -301,7 +302,7 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     filled = [part for part in parts if len(part)]
     if len(filled) <= 1:
         return filled[0] if filled else np.empty(0, dtype=RECORD)
-    joined = np.empty(sum(len(part) for part in filled), dtype=RECORD)
+    joined = zeroed_array(sum(len(part) for part in filled), RECORD)
     at = 0
     for part in filled:
         joined[at : at + len(part)] = part
@@ -324,7 +325,8 @@ def replay(records: np.ndarray, num_slots: int, *, unique: bool = True) -> SlotM
     slots, live, keys = records["slot"], records["live"], records["key"]
     listed = int(np.count_nonzero(live == 1))
     if len(slots) > 1 and not bool(np.all(slots[1:] > slots[:-1])):  # not a checkpoint's ascending list
-        last = np.full(num_slots, -1, dtype=np.int64)
+        last = zeroed_array(num_slots, np.int64)
+        last.fill(-1)
         inside = np.flatnonzero(slots < num_slots)
         pacer = Pacer()
         for at in range(0, len(inside), _STEP):  # in steps: ufunc.at holds the interpreter
