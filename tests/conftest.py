@@ -97,20 +97,30 @@ def run_with_output_closed(*args: str) -> subprocess.CompletedProcess[str]:
         os.close(write_end)
 
 
-def huge_page_eligible(array: np.ndarray) -> bool | None:
-    """Whether the kernel may back ``array``'s mapping with huge pages (None: it does
-    not say)."""
+def smaps_of(array: np.ndarray) -> dict[str, str] | None:
+    """The kernel's fields (``/proc/self/smaps``) of the mapping that holds the middle of
+    ``array`` (numpy advises the part of an array aligned to huge pages); None where the
+    kernel does not say."""
     smaps = Path("/proc/self/smaps")
     if not smaps.exists():
         return None
-    address, inside = (
-        array.__array_interface__["data"][0] + array.nbytes // 2,
-        False,
-    )  # numpy advises its aligned middle
+    address = array.__array_interface__["data"][0] + array.nbytes // 2
+    fields: dict[str, str] | None = None
     for line in smaps.read_text().splitlines():
-        if "-" in line.split(" ")[0] and not line.startswith(("THP", "Size")):
+        name, _, value = line.partition(":")
+        if " " not in name:  # a field of the mapping above
+            if fields is not None:
+                fields[name] = value.strip()
+        elif fields is not None:
+            return fields
+        else:
             start, end = (int(part, 16) for part in line.split(" ")[0].split("-"))
-            inside = start <= address < end
-        elif inside and line.startswith("THPeligible:"):
-            return line.split()[1] == "1"
-    return None
+            fields = {} if start <= address < end else None
+    return fields
+
+
+def huge_page_eligible(array: np.ndarray) -> bool | None:
+    """Whether the kernel may back ``array``'s mapping with huge pages (None: it does
+    not say)."""
+    fields = smaps_of(array)
+    return None if fields is None or "THPeligible" not in fields else fields["THPeligible"] == "1"

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import huge_page_eligible
+from conftest import huge_page_eligible, smaps_of
 
 from tiered_kv.directory import LeaseEpoch, TierIndex
 from tiered_kv.keys import ChunkKey
@@ -91,3 +91,7 @@ def test_a_large_zeroed_array_is_never_given_huge_pages_as_numpys_own_are() -> N
     mapped = zeroed_array(8 << 20, np.uint8)
     mapped[:] = 1
     assert huge_page_eligible(mapped) is False
+    fields = smaps_of(mapped)
+    assert (
+        fields is not None and "nh" in fields["VmFlags"].split()
+    )  # also where the kernel gives any mapping huge pages

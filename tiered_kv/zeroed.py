@@ -38,7 +38,7 @@ def zeroed_array(n: int, dtype: npt.DTypeLike) -> np.ndarray:
     a freed index lowered its threshold, the C library clears such a block from its heap
     with ``memset``: 10–20 ms at a million slots.
 
-    Mapped in 4 KiB pages, too: numpy asks the kernel for huge pages for an array of 4 MB
+    Mapped in 4 KiB pages, too (``MADV_NOHUGEPAGE``): numpy asks the kernel for huge pages for an array of 4 MB
     or more (``MADV_HUGEPAGE``), and where memory is fragmented the first touch of each
     2 MB page waits for the kernel to compact it: 10–200 ms for 24 MB on the development
     VM, against a steady 15 ms for its 4 KiB pages. Large transient arrays (a slot map of
@@ -47,7 +47,10 @@ def zeroed_array(n: int, dtype: npt.DTypeLike) -> np.ndarray:
     size = n * np.dtype(dtype).itemsize
     if size < MAPPED_BYTES:
         return np.zeros(n, dtype)
-    array = np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype)
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # where the kernel would give every mapping huge pages
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    array = np.frombuffer(mapping, dtype)
     number = next(_numbers)
     _mapped[number] = size
     weakref.finalize(array, _mapped.pop, number, None)
