@@ -435,6 +435,51 @@ def test_a_slot_map_file_is_read_into_pages_that_are_never_huge(tmp_path: Path) 
     assert huge_page_eligible(np.frombuffer(read, np.uint8)) is False
 
 
+def _records(entries: list[tuple[int, bool, int]]) -> np.ndarray:
+    records = np.zeros(len(entries), dtype=nvme_journal.RECORD)
+    for i, (slot, live, key_number) in enumerate(entries):
+        records[i] = (slot, live, b"", key_number.to_bytes(16, "little"))
+    return records
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    entries=st.lists(st.tuples(st.integers(0, 11), st.booleans(), st.integers(0, 5)), max_size=40),
+    num_slots=st.integers(1, 10),
+    unique=st.booleans(),
+    ascending=st.booleans(),
+    kept=st.booleans(),
+)
+def test_replay_applies_the_records_in_order_each_slots_last_winning(
+    entries: list[tuple[int, bool, int]], num_slots: int, unique: bool, ascending: bool, kept: bool
+) -> None:
+    """Against a dict: a slot's last record wins, slots past the tier's end are left out,
+    and (unique) a key listed for two slots stays in the lower; ``dropped`` counts the
+    live records left out. ``ascending``: one record per slot, in order, as a checkpoint
+    lists them (the records are then taken as they are, without copies, where all are
+    kept)."""
+    if kept:  # every record live and inside the tier
+        entries = [(slot % num_slots, True, key) for slot, _, key in entries]
+    if ascending:
+        entries = sorted({slot: (slot, live, key) for slot, live, key in entries}.values())
+    records = _records(entries)
+    found = nvme_journal.replay(records, num_slots, unique=unique)
+    last = {slot: (live, key) for slot, live, key in entries if slot < num_slots}
+    held = sorted((slot, key) for slot, (live, key) in last.items() if live)
+    live_last = len(held)
+    if unique:
+        first_slot: dict[int, int] = {}
+        for slot, key in held:
+            first_slot.setdefault(key, slot)
+        held = [(slot, key) for slot, key in held if first_slot[key] == slot]
+    assert found.slots.tolist() == [slot for slot, _ in held]
+    assert found.keys.tolist() == [key.to_bytes(16, "little") for _, key in held]
+    assert found.dropped == sum(live for _, live, _ in entries) - live_last + (live_last - len(held))
+    whole = ascending and all(live and slot < num_slots for slot, live, _ in entries) and len(held) == live_last
+    if whole and entries:
+        assert np.shares_memory(found.keys, records), "a checkpoint kept whole is not copied"
+
+
 def _slot_map(steps: int) -> nvme_journal.SlotMap:
     """A slot map whose key → slot map is built in ``steps`` steps."""
     n = steps * nvme_journal._STEP
