@@ -65,7 +65,7 @@ class _NamespaceIds:
     its namespace leaves, so tenants coming and going (a cache salt per user) do not grow
     the table."""
 
-    __slots__ = ("_id_of", "_unused", "held_by", "names")
+    __slots__ = ("_unused", "held_by", "ids", "names")
 
     def __init__(self) -> None:
         #: Each number's namespace (``None``: unused; 0 stands for no namespace, a free slot) …
@@ -73,16 +73,17 @@ class _NamespaceIds:
         #: … and the chunks that hold it (the index counts them down itself as they
         #: leave, :meth:`forget`-ting a number at 0: one call less per chunk).
         self.held_by = [0]
-        self._id_of: dict[str, int] = {}
+        #: Each namespace's number, read directly on the lookup's hot path (see :meth:`id_of`).
+        self.ids: dict[str, int] = {}
         self._unused: list[int] = []
 
     def id_of(self, namespace: str) -> int:
         """The number of ``namespace`` (0: it holds no chunk here)."""
-        return self._id_of.get(namespace, 0)
+        return self.ids.get(namespace, 0)
 
     def hold(self, namespace: str, n: int) -> int:
         """Count ``n`` more chunks of ``namespace``; its number."""
-        ns = self._id_of.get(namespace)
+        ns = self.ids.get(namespace)
         if ns is None:
             if self._unused:
                 ns = self._unused.pop()
@@ -91,7 +92,7 @@ class _NamespaceIds:
                 ns = len(self.names)
                 self.names.append(namespace)
                 self.held_by.append(0)
-            self._id_of[namespace] = ns
+            self.ids[namespace] = ns
         self.held_by[ns] += n
         return ns
 
@@ -105,7 +106,7 @@ class _NamespaceIds:
         """Make number ``ns``, which no chunk holds any more, free for another namespace."""
         name = self.names[ns]
         assert name is not None and not self.held_by[ns]
-        del self._id_of[name]
+        del self.ids[name]
         self.names[ns] = None
         self._unused.append(ns)
 
@@ -268,7 +269,7 @@ class TierIndex:
         ``namespace`` (``stop`` when all are): :meth:`ready_for` over a run, the lookup's
         hot loop, in C. A namespace that holds nothing here has number 0, which no
         resident slot has."""
-        return self._records.ready_run(keys, self._namespaces.id_of(namespace), start, stop)
+        return self._records.ready_run(keys, self._namespaces.ids.get(namespace, 0), start, stop)
 
     def state_for(self, key: ChunkKey, namespace: str) -> int:
         """``READY`` or ``PENDING`` for a chunk of ``namespace``; ``FREE`` for any other key."""

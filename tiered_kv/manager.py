@@ -585,7 +585,8 @@ class TieredKV:
         if self._closed or self._scheduler.fatal is not None:
             self._check()
         pools = self._pools_of(namespace)
-        keys = per_group(keys, len(pools), "keys", ChunkKeyError)
+        if not (len(pools) == 1 and type(keys) is list and len(keys) == 1 and type(keys[0]) is list):
+            keys = per_group(keys, len(pools), "keys", ChunkKeyError)  # not one list of one group's keys
         found = self._control.lookup(namespace, keys, pools)
         if pools[0].hint is not None:
             self._know_tenant(namespace)
