@@ -318,6 +318,29 @@ probe_ahead(Table *t, PyObject *const *items, Py_ssize_t i, Py_ssize_t n)
         prefetch_chain(t, items[i + PROBE_AHEAD / 2]);
 }
 
+/* Before the first probe of a batch: the heads of the keys the first probe_ahead()
+ * calls would have brought in had they run. */
+static inline void
+probe_start(Table *t, PyObject *const *items, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < PROBE_AHEAD / 2 && i < n; i++)
+        prefetch_head(t, items[i]);
+}
+
+/* ``arg`` as a fast sequence of keys for method ``name`` (a new reference), or NULL with
+ * TypeError: one bytes key is refused, for it is a sequence too (of ints). */
+static PyObject *
+key_sequence(PyObject *arg, const char *name)
+{
+    if (PyBytes_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "%s() takes a sequence of keys, not one key", name);
+        return NULL;
+    }
+    char message[64];
+    PyOS_snprintf(message, sizeof message, "%s() takes a sequence of keys", name);
+    return PySequence_Fast(arg, message);
+}
+
 /* Take out the entry that ``link`` holds; returns its value's reference (or NULL for a
  * number, stored in *num). */
 static PyObject *
@@ -708,18 +731,13 @@ table_insert_new(Table *t, PyObject *const *args, Py_ssize_t nargs)
     long long num = 0;
     if (read_value(t, args[1], &obj, &num) < 0)
         return NULL;
-    if (PyBytes_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "insert_new() takes a sequence of keys, not one key");
-        return NULL;
-    }
-    PyObject *keys = PySequence_Fast(args[0], "insert_new() takes a sequence of keys");
+    PyObject *keys = key_sequence(args[0], "insert_new");
     if (keys == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
     PyObject **items = PySequence_Fast_ITEMS(keys);
     Py_ssize_t done = 0;
-    for (Py_ssize_t i = 0; i < PROBE_AHEAD / 2 && i < n; i++)
-        prefetch_head(t, items[i]);
+    probe_start(t, items, n);
     for (; done < n; done++) {
         probe_ahead(t, items, done, n);
         PyObject *key = items[done];
@@ -834,18 +852,13 @@ table_update(Table *t, PyObject *pairs)
 static PyObject *
 table_contains_any(Table *t, PyObject *arg)
 {
-    if (PyBytes_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "contains_any() takes a sequence of keys, not one key");
-        return NULL;
-    }
-    PyObject *keys = PySequence_Fast(arg, "contains_any() takes a sequence of keys");
+    PyObject *keys = key_sequence(arg, "contains_any");
     if (keys == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
     PyObject **items = PySequence_Fast_ITEMS(keys);
     int32_t found = 0;
-    for (Py_ssize_t i = 0; i < PROBE_AHEAD / 2 && i < n; i++)
-        prefetch_head(t, items[i]);
+    probe_start(t, items, n);
     for (Py_ssize_t i = 0; found == 0 && i < n; i++) {
         probe_ahead(t, items, i, n);
         found = find(t, items[i]);
@@ -863,11 +876,7 @@ table_set_many(Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
     if (check_count("set_many", nargs, 2, 2) < 0)
         return NULL;
-    if (PyBytes_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "set_many() takes a sequence of keys, not one key");
-        return NULL;
-    }
-    PyObject *keys = PySequence_Fast(args[0], "set_many() takes a sequence of keys");
+    PyObject *keys = key_sequence(args[0], "set_many");
     if (keys == NULL)
         return NULL;
     PyObject *values = PySequence_Fast(args[1], "set_many() takes a sequence of values");
@@ -885,8 +894,8 @@ table_set_many(Table *t, PyObject *const *args, Py_ssize_t nargs)
     /* Neither a key's hash nor a value's conversion runs Python code (exact bytes; bytes,
      * None or int, whose subclasses convert in C), so neither list changes meanwhile. */
     PyObject **items = PySequence_Fast_ITEMS(keys), **given = PySequence_Fast_ITEMS(values);
-    for (Py_ssize_t i = 0; rc == 0 && i < PROBE_AHEAD / 2 && i < n; i++)
-        prefetch_head(t, items[i]);
+    if (rc == 0)
+        probe_start(t, items, n);
     for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
         probe_ahead(t, items, i, n);
         rc = set_item(t, items[i], given[i]);
