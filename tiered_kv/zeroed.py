@@ -38,11 +38,12 @@ def zeroed_array(n: int, dtype: npt.DTypeLike) -> np.ndarray:
     a freed index lowered its threshold, the C library clears such a block from its heap
     with ``memset``: 10–20 ms at a million slots.
 
-    Mapped in 4 KiB pages, too (``MADV_NOHUGEPAGE``): numpy asks the kernel for huge pages for an array of 4 MB
-    or more (``MADV_HUGEPAGE``), and where memory is fragmented the first touch of each
-    2 MB page waits for the kernel to compact it: 10–200 ms for 24 MB on the development
-    VM, against a steady 15 ms for its 4 KiB pages. Large transient arrays (a slot map of
-    a million entries read, folded or written) come from here for that reason.
+    Mapped in 4 KiB pages, too (``MADV_NOHUGEPAGE``): numpy asks the kernel for huge
+    pages for an array of 4 MB or more (``MADV_HUGEPAGE``), and where memory is
+    fragmented the first touch of each 2 MB page waits for the kernel to compact it:
+    10–200 ms for 24 MB on the development VM, against a steady 15 ms for its 4 KiB
+    pages. Large transient arrays (a slot map of a million entries read, folded or
+    written) come from here for that reason.
     """
     size = n * np.dtype(dtype).itemsize
     if size < MAPPED_BYTES:
