@@ -206,6 +206,24 @@ def test_verify_says_why_a_slot_is_corrupt(store: Path, capsys: pytest.CaptureFi
     assert f"corrupt: group 0: {reason} (key " in report
 
 
+@pytest.mark.parametrize("restorable", [True, False])
+def test_an_entry_past_the_slots_files_end_is_corrupt_only_if_a_reopen_would_bring_it_back(
+    store: Path, capsys: pytest.CaptureFixture[str], restorable: bool
+) -> None:
+    """A journal entry written as not restorable (a tenant's chunk) is not brought back
+    by a reopen: past the end of the slots file it is no chunk, not a corrupt one."""
+    with (store_dir(store) / "g0.journal").open("ab") as f:
+        f.write(encode_frame(0, write_record(2, key(9, 9), restorable=restorable)))
+    os.truncate(store_dir(store) / "g0.slots", 2 * STRIDE)
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    [group] = [g for g in document["stores"][0]["groups"] if g["group"] == 0]
+    if restorable:
+        assert code == 1 and [bad["slot"] for bad in group["corrupt"]] == [2]
+    else:
+        assert code == 0 and group["corrupt"] == [] and damage_lines(report) == []
+    assert group["chunks"] == (3 if restorable else 2)
+
+
 def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
     return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(directory.iterdir())}
 

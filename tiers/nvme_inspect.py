@@ -46,7 +46,7 @@ from tiered_kv.tiers.nvme_format import (
     store_groups,
     verify_slot,
 )
-from tiered_kv.tiers.nvme_journal import SlotMap, read_files, replay
+from tiered_kv.tiers.nvme_journal import RESTORABLE, SlotMap, read_files, replay
 
 T = TypeVar("T")
 
@@ -270,10 +270,11 @@ def _report_group(
 
 
 def _outside(records: np.ndarray, slots: int) -> dict[int, bytes]:
-    """Slot → key of the live entries that name a slot past the end of the slots file."""
+    """Slot → key of the entries a reopen would bring back that name a slot past the end
+    of the slots file (a slot's last record counts, as in :func:`replay`)."""
     last: dict[int, bytes | None] = {}
     for record in records[records["slot"] >= slots].tolist():
-        last[record[0]] = record[3] if record[1] else None
+        last[record[0]] = record[3] if record[1] == RESTORABLE else None
     return {slot: key for slot, key in last.items() if key is not None}
 
 
