@@ -224,6 +224,19 @@ def test_an_entry_past_the_slots_files_end_is_corrupt_only_if_a_reopen_would_bri
     assert group["chunks"] == (3 if restorable else 2)
 
 
+def test_a_key_listed_inside_and_past_the_slots_files_end_is_one_chunk_served_from_inside(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A key a slot inside the file holds, also listed past its end (a key stored twice,
+    then the file cut): one chunk, the one a reopen serves, and nothing corrupt."""
+    with (store_dir(store) / "g0.journal").open("ab") as f:
+        f.write(encode_frame(0, write_record(SLOTS + 1, key(0, 1))))
+    code, report, document = inspect_cli(capsys, store, "--verify")
+    [group] = [g for g in document["stores"][0]["groups"] if g["group"] == 0]
+    assert code == 0 and group["corrupt"] == [] and damage_lines(report) == []
+    assert group["chunks"] == 3
+
+
 def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
     return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(directory.iterdir())}
 

@@ -325,13 +325,31 @@ def pooled(number: int) -> tuple[bytes, torch.Tensor]:
     return number.to_bytes(16, "little"), torch.randint(0, 256, (SLOT,), dtype=torch.uint8, generator=generator)
 
 
+class PooledModel:
+    """What a store of pooled chunks holds: each slot's bytes, the slot map its journal
+    has committed, and the writes and forgets since (lost by a crash)."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[int, int] = {}  # slot → chunk number its bytes are
+        self.journal: dict[int, int] = {}  # slot → chunk number, as committed
+        self.pending: dict[int, int | None] = {}  # slot → written chunk, or None: forgotten
+
+    def sync(self) -> None:
+        for slot, number in self.pending.items():
+            if number is None:
+                self.journal.pop(slot, None)
+            else:
+                self.journal[slot] = number
+        self.pending.clear()
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     actions=st.lists(
         st.one_of(
-            st.tuples(st.just("write"), st.integers(0, POOL_SLOTS - 1), st.integers(0, POOL - 1)),
+            *[st.tuples(st.just("write"), st.integers(0, POOL_SLOTS - 1), st.integers(0, POOL - 1))] * 3,
             st.tuples(st.just("forget"), st.integers(0, POOL_SLOTS - 1), st.just(0)),
-            st.tuples(st.sampled_from(["close", "crash"]), st.just(0), st.just(0)),
+            st.tuples(st.sampled_from(["sync", "close", "crash"]), st.just(0), st.just(0)),
         ),
         min_size=1,
         max_size=30,
@@ -341,41 +359,122 @@ def pooled(number: int) -> tuple[bytes, torch.Tensor]:
 async def test_a_reopen_brings_back_every_key_some_slot_holds_when_keys_come_back_to_other_slots(
     tmp_path_factory: pytest.TempPathFactory, actions: list[tuple[str, int, int]], compact_every: int
 ) -> None:
-    """Randomized against a model of what each slot holds, keys drawn from a small pool
-    (so that a key is written to a second slot while the first still holds it, as the
-    core's evictions leave it), reopened after a clean close or from a synced copy: the
-    store serves each key some slot holds, from a slot that holds it, with its bytes."""
+    """Randomized against :class:`PooledModel`, keys drawn from a small pool (so that a key
+    is written to a second slot while the first still holds it, as the core's evictions
+    leave it, and that slot is maybe reused before a crash), reopened after a clean close
+    or from a copy of the files as they are (a crash): the store serves each key that a
+    committed entry lists at a slot unchanged since, from a slot whose read gives its
+    bytes; a read of any slot it serves gives that key's bytes or misses."""
     base = tmp_path_factory.mktemp("pooled")
     root = base / "live"
     tier = await open_store(root, compact_every=compact_every)
-    disk: dict[int, int] = {}  # slot → chunk number
+    model = PooledModel()
     reopens = 0
     try:
         for action, slot, number in actions:
             if action == "write":
                 chunk_key, buffer = pooled(number)
                 await tier.write([TransferOp(buffer=buffer, key=chunk_key, slot=slot)])
-                disk[slot] = number
+                model.bytes[slot] = model.pending[slot] = number
                 continue
             if action == "forget":
                 tier.forget([slot])
-                disk.pop(slot, None)
+                model.pending[slot] = None
                 continue
-            await tier.sync()
+            if action == "sync":
+                await tier.sync()
+                model.sync()
+                continue
             reopens += 1
             if action == "crash":
                 root = crash_copy(tier, base / f"crash{reopens}").parent
+                model.pending.clear()
+            else:
+                model.sync()
             await tier.close()
             tier = await open_store(root, compact_every=compact_every)
-            recovered = dict(tier.recovered().items())
-            assert {number.to_bytes(16, "little") for number in disk.values()} == set(recovered), "a key is lost"
-            for chunk_key, at in recovered.items():
-                assert disk[at] == int.from_bytes(chunk_key, "little"), f"slot {at} holds another chunk"
-                out = torch.zeros(SLOT, dtype=torch.uint8)
-                await tier.read([TransferOp(buffer=out, key=chunk_key, slot=at)])
-                assert torch.equal(out, pooled(disk[at])[1])
+            await check_pooled(tier, model)
     finally:
         await tier.close()
+
+
+async def check_pooled(tier: NvmeTier, model: PooledModel) -> None:
+    recovered = dict(tier.recovered().items())
+    out = torch.zeros(SLOT, dtype=torch.uint8)
+    for slot, number in model.journal.items():
+        if model.bytes[slot] == number:  # its entry is committed and the slot unchanged since
+            chunk_key, data_ = pooled(number)
+            assert chunk_key in recovered, f"chunk {number} is lost"
+            await tier.read([TransferOp(buffer=out, key=chunk_key, slot=recovered[chunk_key])])
+            assert torch.equal(out, data_)
+    for chunk_key, at in recovered.items():
+        number = int.from_bytes(chunk_key, "little")
+        assert model.journal.get(at) == number, f"slot {at} is served for a chunk no entry lists there"
+        try:
+            await tier.read([TransferOp(buffer=out, key=chunk_key, slot=at)])
+        except CorruptChunk:
+            assert model.bytes[at] != number, f"slot {at} holds chunk {number} but its read misses"
+            continue
+        assert torch.equal(out, pooled(number)[1])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(slots=st.lists(st.integers(0, SLOTS - 1), min_size=2, max_size=4, unique=True), data_=st.data())
+async def test_a_key_listed_for_several_slots_is_served_after_a_crash_from_one_that_still_holds_it(
+    tmp_path_factory: pytest.TempPathFactory, slots: list[int], data_: st.DataObject
+) -> None:
+    """A chunk stored again and again in other slots (the core evicts it each time
+    without forgetting its slot), synced; then some of those slots reused for other
+    chunks, their records lost to a crash: the reopened store serves the chunk from a
+    slot that still holds it, whichever those are."""
+    root = tmp_path_factory.mktemp("several")
+    chunk_key, chunk = pooled(0)
+    tier = await open_store(root / "live")
+    for slot in slots:
+        await tier.write([TransferOp(buffer=chunk, key=chunk_key, slot=slot)])
+    await tier.sync()
+    reused = data_.draw(st.lists(st.sampled_from(slots), max_size=len(slots) - 1, unique=True))
+    for slot in reused:
+        other_key, other = pooled(slot + 1)
+        await tier.write([TransferOp(buffer=other, key=other_key, slot=slot)])
+    copy = crash_copy(tier, root / "crash")
+    await tier.close()
+    tier = await open_store(copy.parent)
+    try:
+        at = tier.recovered()[chunk_key]
+        assert at in slots and at not in reused
+        out = torch.zeros(SLOT, dtype=torch.uint8)
+        await tier.read([TransferOp(buffer=out, key=chunk_key, slot=at)])
+        assert torch.equal(out, chunk)
+    finally:
+        await tier.close()
+
+
+@pytest.mark.parametrize("case", ["overwritten", "forgotten"])
+async def test_a_journal_whose_records_replace_earlier_ones_is_reopened_as_it_is_nothing_dropped(
+    tmp_path: Path, case: str
+) -> None:
+    """A slot written twice, or written and forgotten, since the checkpoint: its earlier
+    record is no dropped entry, and the reopen appends to the journal it found rather
+    than writing a new generation."""
+    live = await open_store(tmp_path / "live")
+    if case == "overwritten":
+        await live.write([op(0, 1)])
+        await live.write([op(0, 2)])
+    else:
+        await live.write([op(0, 1), op(1, 1)])
+        await live.sync()
+        live.forget([0])
+    await live.sync()
+    copy = crash_copy(live, tmp_path / "crashed")
+    await live.close()
+    before = generation(journal(copy))
+    with capture_logs() as logs:
+        tier = await open_store(copy.parent)
+    await tier.close()
+    [event] = [e for e in logs if e["event"] == "nvme.recovered"]
+    assert event["dropped"] == 0
+    assert generation(journal(copy)) == before + 1  # the close's compaction, no rewrite at open
 
 
 ACTIONS = st.lists(
@@ -540,7 +639,8 @@ def test_replay_applies_the_records_in_order_each_slots_last_winning(
 ) -> None:
     """Against a dict: a slot's last record wins, slots past the tier's end are left out,
     and (unique) a key listed for two slots stays in the lower; ``dropped`` counts the
-    live records left out. ``ascending``: one record per slot, in order, as a checkpoint
+    slots past the end whose last record is live, and the keys' second slots (not the
+    records a later one replaced). ``ascending``: one record per slot, in order, as a checkpoint
     lists them (the records are then taken as they are, without copies, where all are
     kept)."""
     if kept:  # every record live and inside the tier
@@ -559,7 +659,8 @@ def test_replay_applies_the_records_in_order_each_slots_last_winning(
         held = [(slot, key) for slot, key in held if first_slot[key] == slot]
     assert found.slots.tolist() == [slot for slot, _ in held]
     assert found.keys.tolist() == [key.to_bytes(16, "little") for _, key in held]
-    assert found.dropped == sum(live for _, live, _ in entries) - live_last + (live_last - len(held))
+    past = {slot: live for slot, live, _ in entries if slot >= num_slots}
+    assert found.dropped == sum(past.values()) + live_last - len(held)
     whole = ascending and all(live and slot < num_slots for slot, live, _ in entries) and len(held) == live_last
     if whole and entries:
         assert np.shares_memory(found.keys, records), "a checkpoint kept whole is not copied"

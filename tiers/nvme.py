@@ -642,12 +642,23 @@ class NvmeTier(DriverBase):
         """In a driver thread: recover the journal and the map :meth:`recovered` hands
         out, and fill the slot map from it."""
         try:
-            files, found, self._recovered = self._journal.recover()
+            files, found, self._recovered = self._journal.recover(self._holds)
         except OSError as exc:
             raise tier_error(self.name, f"reading the slot map of {self.directory}", exc) from exc
         np.frombuffer(self._keys, dtype="V16")[found.slots] = found.keys
         np.frombuffer(self._live, dtype=np.uint8)[found.slots] = 1
         return files, found
+
+    def _holds(self, slot: int, key: bytes) -> bool:
+        """In a driver thread, at recovery: whether ``slot``'s header says it holds ``key``
+        (the payload is not read: a read verifies it)."""
+        header = self._lanes.header
+        try:
+            if os.preadv(self._fd, [header], slot * self.slot_stride) != HEADER_BYTES:
+                return False
+            return read_header(header, fingerprint=self._fingerprint, slot=slot)[0] == key
+        except (OSError, CorruptChunk):
+            return False
 
     def _commit(self, records: bytes) -> None:
         """In a driver thread: one group commit of the journal."""

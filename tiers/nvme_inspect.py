@@ -249,7 +249,7 @@ def _report_group(
     problems += files.problems
     slots = file_bytes // slot_stride(files.slot_bytes)
     listed = replay(files.records, slots)
-    outside = _outside(files.records, slots)
+    outside = _outside(files.records, slots, listed)
     corrupt = {slot: f"slot {slot}: outside the slots file's {slots} slots" for slot in outside}
     if verify:
         corrupt |= _verify(slots_fd, listed, files.slot_bytes, fingerprint or files.fingerprint)
@@ -269,13 +269,22 @@ def _report_group(
     )
 
 
-def _outside(records: np.ndarray, slots: int) -> dict[int, bytes]:
+def _outside(records: np.ndarray, slots: int, listed: SlotMap) -> dict[int, bytes]:
     """Slot → key of the entries a reopen would bring back that name a slot past the end
-    of the slots file (a slot's last record counts, as in :func:`replay`)."""
+    of the slots file (a slot's last record counts, as in :func:`replay`), a key the
+    ``listed`` slots inside it do not hold (once, at its lowest slot)."""
     last: dict[int, bytes | None] = {}
     for record in records[records["slot"] >= slots].tolist():
         last[record[0]] = record[3] if record[1] == RESTORABLE else None
-    return {slot: key for slot, key in last.items() if key is not None}
+    if not any(key is not None for key in last.values()):
+        return {}
+    held = set(listed.keys.tolist())
+    outside: dict[int, bytes] = {}
+    for slot, key in sorted(last.items()):
+        if key is not None and key not in held:
+            outside[slot] = key
+            held.add(key)
+    return outside
 
 
 def _verify(fd: int, listed: SlotMap, slot_bytes: int, fingerprint: bytes) -> dict[int, str]:

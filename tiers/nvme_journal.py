@@ -28,6 +28,7 @@ import dataclasses
 import errno
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -328,9 +329,10 @@ _KEY_HALVES = np.dtype([("head", "<u8"), ("tail", "<u8")])
 def replay(records: np.ndarray, num_slots: int, *, unique: bool = True) -> SlotMap:
     """The live entries of ``records`` applied in order (a slot's last record wins) in a
     tier of ``num_slots`` slots, one slot per key (the lowest slot of a key listed for
-    more); not ``unique``, as listed (see :func:`one_slot_per_key`)."""
+    more); not ``unique``, as listed (see :func:`repeated_keys`). ``dropped`` counts the
+    entries left out: a slot past the tier's end whose last record is live, a second slot
+    of a key."""
     slots, live, keys = records["slot"], records["live"], records["key"]
-    listed = int(np.count_nonzero(live == RESTORABLE))
     if len(slots) > 1 and not bool(np.all(slots[1:] > slots[:-1])):  # not a checkpoint's ascending list
         last = zeroed_array(num_slots, np.int64)
         last.fill(-1)
@@ -341,46 +343,65 @@ def replay(records: np.ndarray, num_slots: int, *, unique: bool = True) -> SlotM
             np.maximum.at(last, slots[piece], piece)
             pacer.step()
         pick = last[last >= 0]
-    elif listed == len(slots) and (not listed or int(slots[-1]) < num_slots):
+    elif bool(np.all(live == RESTORABLE)) and (not len(slots) or int(slots[-1]) < num_slots):
         # A checkpoint whose entries are all live, in a tier no smaller than the one that
         # wrote it: every record as it is, not copied (four arrays of a million entries
         # in new memory cost the reopen tens of ms of page faults).
         found = SlotMap(slots=slots, keys=keys, dropped=0)
-        return one_slot_per_key(found)[0] if unique else found
+        return _lowest_slot_per_key(found) if unique else found
     else:
         pick = np.flatnonzero(slots < num_slots)
     pick = pick[live[pick] == RESTORABLE]
-    found = SlotMap(slots=slots[pick], keys=keys[pick], dropped=listed - len(pick))
-    return one_slot_per_key(found)[0] if unique else found
+    found = SlotMap(slots=slots[pick], keys=keys[pick], dropped=_live_past_the_end(records, num_slots))
+    return _lowest_slot_per_key(found) if unique else found
 
 
-def one_slot_per_key(found: SlotMap) -> tuple[SlotMap, dict[bytes, int]]:
-    """``found`` with each key in its lowest slot only (its slots ascend), the others
-    counted dropped; and that slot of each key listed more than once. Sorts the keys'
-    first halves (0.1–0.3 s a million, against 1.4 s for whole keys); only keys whose
-    first halves collide are compared whole. :meth:`Journal.recover` first builds the
-    key map, which tells whether any key is listed twice, and calls this only then."""
-    slots, keys = found.slots, found.keys
+def _live_past_the_end(records: np.ndarray, num_slots: int) -> int:
+    """Slots past the end of a tier of ``num_slots`` whose last record is live (few, if
+    any: a tier reopened smaller)."""
+    past = np.flatnonzero(records["slot"] >= num_slots)[::-1]
+    _, last = np.unique(records["slot"][past], return_index=True)
+    return int(np.count_nonzero(records["live"][past[last]] == RESTORABLE))
+
+
+def repeated_keys(found: SlotMap) -> dict[bytes, list[int]]:
+    """Each key ``found`` lists for more than one slot, with the positions of its entries
+    (ascending, as their slots). Sorts the keys' first halves (0.1–0.3 s a million,
+    against 1.4 s for whole keys); only keys whose first halves collide are compared
+    whole. :meth:`Journal.recover` first builds the key map, which tells whether any key
+    is listed twice, and calls this only then."""
+    keys = found.keys
     if len(keys) < 2:
-        return found, {}
+        return {}
     heads = keys.view(_KEY_HALVES)["head"]  # keys may be a field of records: strided
     order = np.argsort(heads)
     ordered = heads[order]
     collide = ordered[1:] == ordered[:-1]
     if not bool(np.any(collide)):
-        return found, {}
+        return {}
     near = np.zeros(len(order), dtype=bool)
     near[1:] |= collide
     near[:-1] |= collide
-    first: dict[bytes, int] = {}
-    repeated = [i for i in np.sort(order[near]).tolist() if first.setdefault(bytes(keys[i]), i) != i]
-    if not repeated:
-        return found, {}
-    keep = np.ones(len(keys), dtype=bool)
-    keep[repeated] = False
-    twice = {bytes(keys[i]) for i in repeated}
-    kept = SlotMap(slots=slots[keep], keys=keys[keep], dropped=found.dropped + len(repeated))
-    return kept, {key: int(slots[first[key]]) for key in twice}
+    positions: dict[bytes, list[int]] = {}
+    for i in np.sort(order[near]).tolist():
+        positions.setdefault(bytes(keys[i]), []).append(i)
+    return {key: where for key, where in positions.items() if len(where) > 1}
+
+
+def one_slot_per_key(found: SlotMap, repeated: dict[bytes, list[int]], chosen: dict[bytes, int]) -> SlotMap:
+    """``found`` with each of its ``repeated`` keys (:func:`repeated_keys`) at its
+    ``chosen`` position only, the others counted dropped."""
+    drop = [i for key, where in repeated.items() for i in where if i != chosen[key]]
+    if not drop:
+        return found
+    keep = np.ones(len(found.keys), dtype=bool)
+    keep[drop] = False
+    return SlotMap(slots=found.slots[keep], keys=found.keys[keep], dropped=found.dropped + len(drop))
+
+
+def _lowest_slot_per_key(found: SlotMap) -> SlotMap:
+    repeated = repeated_keys(found)
+    return one_slot_per_key(found, repeated, {key: where[0] for key, where in repeated.items()})
 
 
 def recovered_chunks(slot_map: SlotMap) -> KeyInts:
@@ -414,18 +435,33 @@ class Journal:
         self._end = self._frames = self._records = 0
         self._stale = False
 
-    def recover(self) -> tuple[SlotMapFiles, SlotMap, KeyInts]:
+    def recover(self, holds: Callable[[int, bytes], bool]) -> tuple[SlotMapFiles, SlotMap, KeyInts]:
         """Replay the files and build the key → slot map of what they list; then make them
         appendable: a torn tail is cut off; anything else amiss (no files yet, a stale or
         foreign file, entries past the tier's end) is rewritten as a new generation of
-        what was listed. A key listed for two slots is served from the lower and stays
-        listed for both: the other brings it back once the lower holds another chunk."""
+        what was listed.
+
+        A key listed for several slots (the core evicts a chunk without forgetting its
+        slot, and may store it again elsewhere before that slot is reused) is served from
+        the first of them that ``holds(slot, key)`` says still holds it by its header (the
+        others may have been reused before a crash left their records uncommitted), or
+        the lowest; all stay listed, so that one reused later brings the key back from
+        another."""
         files = self._read()
         listed = found = replay(files.records, self._num_slots, unique=False)
         chunks = recovered_chunks(listed)
-        if len(chunks) != len(listed.slots):  # a key listed for two slots: served from its lowest
-            found, lowest = one_slot_per_key(listed)
-            chunks.set_many(list(lowest), list(lowest.values()))  # it holds the highest
+        if len(chunks) != len(listed.slots):
+            repeated = repeated_keys(listed)
+            chosen: dict[bytes, int] = {}
+            pacer = Pacer()
+            for key, where in repeated.items():
+                chosen[key] = next((i for i in where if holds(int(listed.slots[i]), key)), where[0])
+                pacer.step()
+            found = one_slot_per_key(listed, repeated, chosen)
+            keys, slots = list(chosen), [int(listed.slots[i]) for i in chosen.values()]
+            for at in range(0, len(keys), _STEP):  # built last-wins, the map has the highest
+                chunks.set_many(keys[at : at + _STEP], slots[at : at + _STEP])
+                pacer.step()
         if files.appendable and not files.problems and not listed.dropped:
             self._fd = open_file(self._dir_fd, self._name, str(self._directory / self._name), os.O_RDWR)
             self._generation = files.generation
