@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import torch
 from conftest import make_namespace, run_with_output_closed
+from nvme_snapshot import crash_copy
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
 from tiered_kv.cli import main
@@ -235,6 +236,29 @@ def test_a_key_listed_inside_and_past_the_slots_files_end_is_one_chunk_served_fr
     [group] = [g for g in document["stores"][0]["groups"] if g["group"] == 0]
     assert code == 0 and group["corrupt"] == [] and damage_lines(report) == []
     assert group["chunks"] == 3
+
+
+async def test_verify_checks_a_key_listed_for_two_slots_where_a_reopen_serves_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A chunk in slots 1 and 4, synced; slot 1 reused, its record lost to a crash: the
+    reopen serves the chunk from slot 4, and ``--verify`` checks that one, finding
+    nothing corrupt (it once verified slot 1 and reported it)."""
+    tier = await open_group(tmp_path / "live", 0)
+    chunk_key, chunk = key(0, 0), payload(0, 0)
+    for slot in (1, 4):
+        await tier.write([TransferOp(buffer=chunk, key=chunk_key, slot=slot)])
+    await tier.sync()
+    await tier.write([TransferOp(buffer=payload(0, 9), key=key(0, 9), slot=1)])  # not committed
+    copy = crash_copy(tier, tmp_path / "crashed")
+    await tier.close()
+    code, report, document = inspect_cli(capsys, copy.parent, "--verify")
+    [group] = [g for g in document["stores"][0]["groups"] if g["group"] == 0]
+    assert code == 0 and group["corrupt"] == [] and damage_lines(report) == []
+    assert (group["chunks"], group["verified"]) == (1, 1)
+    reopened = await open_group(copy.parent, 0)
+    assert reopened.recovered() == {chunk_key: 4}
+    await reopened.close()
 
 
 def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:

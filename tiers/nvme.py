@@ -27,8 +27,9 @@ commit window (``commit_window_s``) or at once on :meth:`NvmeTier.sync`. A crash
 most the writes of the last window (and of a commit in flight), never serves wrong bytes
 (a torn or reused slot fails its header or checksum on read), and a failed or cancelled
 write leaves its slots holding nothing. Reopening reads the checkpoint and the journal
-only, never a payload: O(slot map), not O(data); a chunk that fails on read is a miss
-that the core drops.
+(and the headers of the slots of a key listed for several, in parallel), never a
+payload: O(slot map), not O(data); a chunk that fails on read is a miss that the core
+drops.
 
 Memory: the slot map is a fixed array of 16-byte keys and a live flag per slot, 17 bytes
 a slot, whatever the occupancy.
@@ -40,6 +41,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import threading
@@ -84,6 +86,7 @@ from tiered_kv.tiers.nvme_format import (
     payload_checksum,
     read_header,
     slot_stride,
+    slots_hold,
 )
 from tiered_kv.tiers.nvme_inspect import inspect_root
 from tiered_kv.tiers.nvme_journal import (
@@ -642,23 +645,15 @@ class NvmeTier(DriverBase):
         """In a driver thread: recover the journal and the map :meth:`recovered` hands
         out, and fill the slot map from it."""
         try:
-            files, found, self._recovered = self._journal.recover(self._holds)
+            holding = functools.partial(
+                slots_hold, self._fd, slot_bytes=self.slot_bytes, fingerprint=self._fingerprint, threads=self.io_depth
+            )
+            files, found, self._recovered = self._journal.recover(holding)
         except OSError as exc:
             raise tier_error(self.name, f"reading the slot map of {self.directory}", exc) from exc
         np.frombuffer(self._keys, dtype="V16")[found.slots] = found.keys
         np.frombuffer(self._live, dtype=np.uint8)[found.slots] = 1
         return files, found
-
-    def _holds(self, slot: int, key: bytes) -> bool:
-        """In a driver thread, at recovery: whether ``slot``'s header says it holds ``key``
-        (the payload is not read: a read verifies it)."""
-        header = self._lanes.header
-        try:
-            if os.preadv(self._fd, [header], slot * self.slot_stride) != HEADER_BYTES:
-                return False
-            return read_header(header, fingerprint=self._fingerprint, slot=slot)[0] == key
-        except (OSError, CorruptChunk):
-            return False
 
     def _commit(self, records: bytes) -> None:
         """In a driver thread: one group commit of the journal."""

@@ -17,10 +17,12 @@ configuration that wrote it.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import msgspec
@@ -28,7 +30,7 @@ import xxhash
 
 from tiered_kv.errors import CorruptChunk
 from tiered_kv.namespace import Namespace
-from tiered_kv.tiers._driver import round_up
+from tiered_kv.tiers._driver import round_up, split
 
 FORMAT_VERSION = 1
 MAGIC = b"TKVSLOT\0"
@@ -40,6 +42,8 @@ MAX_KEY_BYTES = 256
 SCAN_BYTES = 1 << 20
 #: The file of a store directory that records its namespace.
 NAMESPACE_FILE = "namespace.json"
+#: Slot headers worth a thread of their own when :func:`slots_hold` reads many.
+_HEADERS_PER_THREAD = 64
 
 # magic, version, key length, reserved, slot, payload length, namespace fingerprint, payload checksum
 _FIXED = struct.Struct("<8sHHIQQ32s16s")
@@ -136,6 +140,36 @@ def verify_slot(
         done += take
     if bytes(digest.digest()) != checksum:
         raise CorruptChunk(f"slot {slot}: payload checksum mismatch", tier=_TIER)
+
+
+def slots_hold(
+    fd: int, slots: list[int], keys: list[bytes], *, slot_bytes: int, fingerprint: bytes, threads: int
+) -> list[bool]:
+    """For each slot and key: whether the header of the slot in the slots file open as
+    ``fd`` names the key (intact, of this namespace, written for this slot); its payload
+    is not read. Each read is a round trip to the device: ``threads`` of them at once."""
+    stride = slot_stride(slot_bytes)
+
+    def check(part: Sequence[tuple[int, bytes]]) -> list[bool]:
+        page = mmap.mmap(-1, HEADER_BYTES)  # page-aligned, as O_DIRECT needs
+        header = memoryview(page)
+        verdicts = []
+        for slot, key in part:
+            try:
+                whole = os.preadv(fd, [header], slot * stride) == HEADER_BYTES
+                verdicts.append(whole and read_header(header, fingerprint=fingerprint, slot=slot)[0] == key)
+            except (OSError, CorruptChunk):
+                verdicts.append(False)
+        header.release()
+        page.close()
+        return verdicts
+
+    pairs = list(zip(slots, keys, strict=True))
+    parts = split(pairs, min(threads, -(-len(pairs) // _HEADERS_PER_THREAD)))
+    if len(parts) <= 1:
+        return check(pairs)
+    with ThreadPoolExecutor(len(parts), thread_name_prefix="tiered-kv-nvme-headers") as pool:
+        return [verdict for part in pool.map(check, parts) for verdict in part]
 
 
 def encode_namespace(namespace: Namespace) -> bytes:

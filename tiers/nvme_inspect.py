@@ -43,10 +43,18 @@ from tiered_kv.tiers.nvme_format import (
     decode_namespace,
     group_file,
     slot_stride,
+    slots_hold,
     store_groups,
     verify_slot,
 )
-from tiered_kv.tiers.nvme_journal import RESTORABLE, SlotMap, read_files, replay
+from tiered_kv.tiers.nvme_journal import (
+    RESTORABLE,
+    SlotMap,
+    every_slot_holds,
+    read_files,
+    replay,
+    serve_one_slot_per_key,
+)
 
 T = TypeVar("T")
 
@@ -248,11 +256,20 @@ def _report_group(
         )
     problems += files.problems
     slots = file_bytes // slot_stride(files.slot_bytes)
-    listed = replay(files.records, slots)
+    fingerprint = fingerprint or files.fingerprint
+    holding = (
+        functools.partial(
+            slots_hold, slots_fd, slot_bytes=files.slot_bytes, fingerprint=fingerprint, threads=VERIFY_THREADS
+        )
+        if verify
+        else every_slot_holds
+    )
+    # A key listed for several slots is served from the slot a reopen would serve it from.
+    listed, _ = serve_one_slot_per_key(replay(files.records, slots, unique=False), holding)
     outside = _outside(files.records, slots, listed)
     corrupt = {slot: f"slot {slot}: outside the slots file's {slots} slots" for slot in outside}
     if verify:
-        corrupt |= _verify(slots_fd, listed, files.slot_bytes, fingerprint or files.fingerprint)
+        corrupt |= _verify(slots_fd, listed, files.slot_bytes, fingerprint)
     keys = dict(zip(listed.slots.tolist(), listed.keys.tolist(), strict=True)) | outside
     chunks = len(listed.slots) + len(outside)
     return GroupReport(

@@ -329,7 +329,7 @@ _KEY_HALVES = np.dtype([("head", "<u8"), ("tail", "<u8")])
 def replay(records: np.ndarray, num_slots: int, *, unique: bool = True) -> SlotMap:
     """The live entries of ``records`` applied in order (a slot's last record wins) in a
     tier of ``num_slots`` slots, one slot per key (the lowest slot of a key listed for
-    more); not ``unique``, as listed (see :func:`repeated_keys`). ``dropped`` counts the
+    more); not ``unique``, as listed (see :func:`serve_one_slot_per_key`). ``dropped`` counts the
     entries left out: a slot past the tier's end whose last record is live, a second slot
     of a key."""
     slots, live, keys = records["slot"], records["live"], records["key"]
@@ -364,44 +364,87 @@ def _live_past_the_end(records: np.ndarray, num_slots: int) -> int:
     return int(np.count_nonzero(records["live"][past[last]] == RESTORABLE))
 
 
-def repeated_keys(found: SlotMap) -> dict[bytes, list[int]]:
-    """Each key ``found`` lists for more than one slot, with the positions of its entries
-    (ascending, as their slots). Sorts the keys' first halves (0.1–0.3 s a million,
-    against 1.4 s for whole keys); only keys whose first halves collide are compared
-    whole. :meth:`Journal.recover` first builds the key map, which tells whether any key
-    is listed twice, and calls this only then."""
-    keys = found.keys
+class _Repeats(NamedTuple):
+    """The keys a slot map lists for several slots: their entries' positions, grouped by
+    key (each group ascending, as the slots), and where each group starts and ends."""
+
+    positions: np.ndarray
+    starts: np.ndarray
+    sizes: np.ndarray
+
+
+def _repeats(keys: np.ndarray) -> _Repeats | None:
+    """The keys listed more than once among ``keys``, or ``None``. Sorts the keys' first
+    halves (0.1–0.3 s a million, against 1.4 s for whole keys); only those whose first
+    halves collide are sorted whole. In numpy throughout: a Python object per entry would
+    cost the loop a garbage-collection pass of the whole heap."""
     if len(keys) < 2:
-        return {}
+        return None
     heads = keys.view(_KEY_HALVES)["head"]  # keys may be a field of records: strided
     order = np.argsort(heads)
     ordered = heads[order]
     collide = ordered[1:] == ordered[:-1]
     if not bool(np.any(collide)):
-        return {}
+        return None
     near = np.zeros(len(order), dtype=bool)
     near[1:] |= collide
     near[:-1] |= collide
-    positions: dict[bytes, list[int]] = {}
-    for i in np.sort(order[near]).tolist():
-        positions.setdefault(bytes(keys[i]), []).append(i)
-    return {key: where for key, where in positions.items() if len(where) > 1}
+    near_positions = order[near]
+    halves = keys[near_positions].view(_KEY_HALVES)
+    by = np.lexsort((near_positions, halves["tail"], halves["head"]))
+    near_positions, head, tail = near_positions[by], halves["head"][by], halves["tail"][by]
+    first = np.ones(len(near_positions), dtype=bool)
+    first[1:] = (head[1:] != head[:-1]) | (tail[1:] != tail[:-1])
+    sizes = np.diff(np.append(np.flatnonzero(first), len(near_positions)))
+    repeated = sizes > 1
+    if not bool(np.any(repeated)):
+        return None
+    positions = near_positions[np.repeat(repeated, sizes)]
+    sizes = sizes[repeated]
+    return _Repeats(positions, np.cumsum(sizes) - sizes, sizes)
 
 
-def one_slot_per_key(found: SlotMap, repeated: dict[bytes, list[int]], chosen: dict[bytes, int]) -> SlotMap:
-    """``found`` with each of its ``repeated`` keys (:func:`repeated_keys`) at its
-    ``chosen`` position only, the others counted dropped."""
-    drop = [i for key, where in repeated.items() for i in where if i != chosen[key]]
-    if not drop:
-        return found
-    keep = np.ones(len(found.keys), dtype=bool)
-    keep[drop] = False
-    return SlotMap(slots=found.slots[keep], keys=found.keys[keep], dropped=found.dropped + len(drop))
+#: Of slots and their keys, which slots' headers name their key (see
+#: :func:`~tiered_kv.tiers.nvme_format.slots_hold`).
+Holding = Callable[[list[int], list[bytes]], list[bool]]
+
+
+def serve_one_slot_per_key(listed: SlotMap, holding: Holding) -> tuple[SlotMap, dict[bytes, int]]:
+    """``listed`` with each key listed for several slots (the core evicts a chunk without
+    forgetting its slot, and may store it again elsewhere before that slot is reused) at
+    one only: the first whose header still names it, as ``holding`` tells (the others
+    may have been reused before a crash lost their records), else the lowest; and that
+    slot of each such key. Asks ``holding`` about every key's next candidate at once."""
+    repeats = _repeats(listed.keys)
+    if repeats is None:
+        return listed, {}
+    positions, starts, sizes = repeats
+    chosen = np.full(len(sizes), -1, dtype=np.int64)
+    for attempt in range(int(sizes.max())):
+        undecided = np.flatnonzero((chosen < 0) & (sizes > attempt))
+        if not len(undecided):
+            break
+        candidates = positions[starts[undecided] + attempt]
+        verdicts = np.array(holding(listed.slots[candidates].tolist(), listed.keys[candidates].tolist()), dtype=bool)
+        chosen[undecided[verdicts]] = candidates[verdicts]
+    lowest = chosen < 0
+    chosen[lowest] = positions[starts[lowest]]
+    keep = np.ones(len(listed.keys), dtype=bool)
+    keep[positions] = False
+    keep[chosen] = True
+    served = SlotMap(
+        slots=listed.slots[keep], keys=listed.keys[keep], dropped=listed.dropped + len(positions) - len(chosen)
+    )
+    return served, dict(zip(listed.keys[chosen].tolist(), listed.slots[chosen].tolist(), strict=True))
+
+
+def every_slot_holds(slots: list[int], keys: list[bytes]) -> list[bool]:
+    """A :data:`Holding` that reads nothing: each key is served from its lowest slot."""
+    return [True] * len(slots)
 
 
 def _lowest_slot_per_key(found: SlotMap) -> SlotMap:
-    repeated = repeated_keys(found)
-    return one_slot_per_key(found, repeated, {key: where[0] for key, where in repeated.items()})
+    return serve_one_slot_per_key(found, every_slot_holds)[0]
 
 
 def recovered_chunks(slot_map: SlotMap) -> KeyInts:
@@ -435,30 +478,20 @@ class Journal:
         self._end = self._frames = self._records = 0
         self._stale = False
 
-    def recover(self, holds: Callable[[int, bytes], bool]) -> tuple[SlotMapFiles, SlotMap, KeyInts]:
+    def recover(self, holding: Holding) -> tuple[SlotMapFiles, SlotMap, KeyInts]:
         """Replay the files and build the key → slot map of what they list; then make them
         appendable: a torn tail is cut off; anything else amiss (no files yet, a stale or
         foreign file, entries past the tier's end) is rewritten as a new generation of
-        what was listed.
-
-        A key listed for several slots (the core evicts a chunk without forgetting its
-        slot, and may store it again elsewhere before that slot is reused) is served from
-        the first of them that ``holds(slot, key)`` says still holds it by its header (the
-        others may have been reused before a crash left their records uncommitted), or
-        the lowest; all stay listed, so that one reused later brings the key back from
-        another."""
+        what was listed. A key listed for several slots is served from one
+        (:func:`serve_one_slot_per_key`, ``holding`` reading their headers) and stays
+        listed for all, so that one reused later brings the key back from another."""
         files = self._read()
         listed = found = replay(files.records, self._num_slots, unique=False)
         chunks = recovered_chunks(listed)
         if len(chunks) != len(listed.slots):
-            repeated = repeated_keys(listed)
-            chosen: dict[bytes, int] = {}
+            found, served = serve_one_slot_per_key(listed, holding)
+            keys, slots = list(served), list(served.values())
             pacer = Pacer()
-            for key, where in repeated.items():
-                chosen[key] = next((i for i in where if holds(int(listed.slots[i]), key)), where[0])
-                pacer.step()
-            found = one_slot_per_key(listed, repeated, chosen)
-            keys, slots = list(chosen), [int(listed.slots[i]) for i in chosen.values()]
             for at in range(0, len(keys), _STEP):  # built last-wins, the map has the highest
                 chunks.set_many(keys[at : at + _STEP], slots[at : at + _STEP])
                 pacer.step()
