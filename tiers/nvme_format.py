@@ -151,17 +151,14 @@ def slots_hold(
     stride = slot_stride(slot_bytes)
 
     def check(part: Sequence[tuple[int, bytes]]) -> list[bool]:
-        page = mmap.mmap(-1, HEADER_BYTES)  # page-aligned, as O_DIRECT needs
-        header = memoryview(page)
         verdicts = []
-        for slot, key in part:
-            try:
-                whole = os.preadv(fd, [header], slot * stride) == HEADER_BYTES
-                verdicts.append(whole and read_header(header, fingerprint=fingerprint, slot=slot)[0] == key)
-            except (OSError, CorruptChunk):
-                verdicts.append(False)
-        header.release()
-        page.close()
+        with mmap.mmap(-1, HEADER_BYTES) as page, memoryview(page) as header:  # page-aligned, as O_DIRECT needs
+            for slot, key in part:
+                try:
+                    whole = os.preadv(fd, [header], slot * stride) == HEADER_BYTES
+                    verdicts.append(whole and read_header(header, fingerprint=fingerprint, slot=slot)[0] == key)
+                except (OSError, CorruptChunk):
+                    verdicts.append(False)
         return verdicts
 
     pairs = list(zip(slots, keys, strict=True))

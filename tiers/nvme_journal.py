@@ -329,9 +329,9 @@ _KEY_HALVES = np.dtype([("head", "<u8"), ("tail", "<u8")])
 def replay(records: np.ndarray, num_slots: int, *, unique: bool = True) -> SlotMap:
     """The live entries of ``records`` applied in order (a slot's last record wins) in a
     tier of ``num_slots`` slots, one slot per key (the lowest slot of a key listed for
-    more); not ``unique``, as listed (see :func:`serve_one_slot_per_key`). ``dropped`` counts the
-    entries left out: a slot past the tier's end whose last record is live, a second slot
-    of a key."""
+    more); not ``unique``, as listed (see :func:`serve_one_slot_per_key`). ``dropped``
+    counts the entries left out: a slot past the tier's end whose last record is live,
+    a second slot of a key."""
     slots, live, keys = records["slot"], records["live"], records["key"]
     if len(slots) > 1 and not bool(np.all(slots[1:] > slots[:-1])):  # not a checkpoint's ascending list
         last = zeroed_array(num_slots, np.int64)
