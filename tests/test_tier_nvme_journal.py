@@ -267,7 +267,8 @@ async def test_a_key_the_slot_map_lists_for_two_slots_comes_back_from_the_lower_
 ) -> None:
     """The driver takes a key twice (the core evicts a chunk without forgetting its slot,
     and may store it again elsewhere before that slot is reused): a reopen serves the
-    lower slot, and the slot map still lists the higher (``compacted``: through a
+    lower slot (the higher is logged as repeated, not dropped: nothing is lost), and the
+    slot map still lists the higher (``compacted``: through a
     close's compaction too), so that once the lower slot holds another chunk the key
     comes back from the higher."""
     same = data(0, 1)
@@ -288,7 +289,7 @@ async def test_a_key_the_slot_map_lists_for_two_slots_comes_back_from_the_lower_
     with pytest.raises(CorruptChunk):  # served from one slot only: a read of the other misses
         await tier.read([TransferOp(buffer=out, key=key(0, 1), slot=6)])
     [event] = [e for e in logs if e["event"] == "nvme.recovered"]
-    assert (event["n_chunks"], event["dropped"]) == (2, 1)
+    assert (event["n_chunks"], event["dropped"], event["repeated"]) == (2, 0, 1)
     await tier.write([op(3, 2)])  # the lower slot is reused
     await tier.close()
     tier = await open_store(store.parent)
@@ -312,7 +313,7 @@ def test_of_a_million_entries_only_a_key_listed_twice_is_left_out_not_one_that_s
     halves = records["key"].view(nvme_journal._KEY_HALVES)
     halves[n - 1] = halves[7] if twice else (halves["head"][7], halves["tail"][7] ^ 1)
     found = nvme_journal.replay(records, n)
-    assert (len(found.slots), found.dropped) == ((n - 1, 1) if twice else (n, 0))
+    assert (len(found.slots), found.dropped, found.repeated) == ((n - 1, 0, 1) if twice else (n, 0, 0))
     assert found.slots[-1] == (n - 2 if twice else n - 1)
 
 
@@ -640,10 +641,10 @@ def test_replay_applies_the_records_in_order_each_slots_last_winning(
 ) -> None:
     """Against a dict: a slot's last record wins, slots past the tier's end are left out,
     and (unique) a key listed for two slots stays in the lower; ``dropped`` counts the
-    slots past the end whose last record is live, and the keys' second slots (not the
-    records a later one replaced). ``ascending``: one record per slot, in order, as a checkpoint
-    lists them (the records are then taken as they are, without copies, where all are
-    kept)."""
+    slots past the end whose last record is live (not the records a later one
+    replaced), ``repeated`` the keys' other slots. ``ascending``: one record per slot, in
+    order, as a checkpoint lists them (the records are then taken as they are, without
+    copies, where all are kept)."""
     if kept:  # every record live and inside the tier
         entries = [(slot % num_slots, True, key) for slot, _, key in entries]
     if ascending:
@@ -661,7 +662,7 @@ def test_replay_applies_the_records_in_order_each_slots_last_winning(
     assert found.slots.tolist() == [slot for slot, _ in held]
     assert found.keys.tolist() == [key.to_bytes(16, "little") for _, key in held]
     past = {slot: live for slot, live, _ in entries if slot >= num_slots}
-    assert found.dropped == sum(past.values()) + live_last - len(held)
+    assert (found.dropped, found.repeated) == (sum(past.values()), live_last - len(held))
     whole = ascending and all(live and slot < num_slots for slot, live, _ in entries) and len(held) == live_last
     if whole and entries:
         assert np.shares_memory(found.keys, records), "a checkpoint kept whole is not copied"
@@ -778,7 +779,7 @@ def test_serving_keys_listed_twice_makes_no_python_object_per_entry() -> None:
         served, slots = nvme_journal.serve_one_slot_per_key(listed, nvme_journal.every_slot_holds)
     finally:
         gc.callbacks.remove(count)
-    assert len(served.slots) == twice and served.dropped == twice
+    assert len(served.slots) == twice and (served.dropped, served.repeated) == (0, twice)
     assert sorted(slots.values()) == list(range(twice))
     assert len(collections) <= 3, f"{len(collections)} collections for {twice} keys"
 
@@ -800,7 +801,7 @@ def test_a_key_listed_for_three_slots_is_served_from_the_first_that_holds_it_els
     served, chosen = nvme_journal.serve_one_slot_per_key(listed, holding)
     expected = 2 if holds_at is None else [2, 5, 7][holds_at]
     assert chosen == {bytes(range(16)): expected, bytes(16): 8}
-    assert served.slots.tolist() == [expected, 8] and served.dropped == 3
+    assert served.slots.tolist() == [expected, 8] and (served.dropped, served.repeated) == (0, 3)
     assert sorted(asked[0]) == [2, 8] and len(asked) == (1 + min(holds_at if holds_at is not None else 2, 2))
 
 

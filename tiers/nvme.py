@@ -636,6 +636,7 @@ class NvmeTier(DriverBase):
             group=self.group,
             n_chunks=len(found.slots),
             dropped=found.dropped,
+            repeated=found.repeated,
             torn_bytes=files.torn,
             direct_io=self.direct,
             ms=round((time.perf_counter() - started) * 1000, 1),

@@ -225,8 +225,10 @@ class SlotMap:
 
     slots: np.ndarray
     keys: np.ndarray
-    #: Entries left out: slots past the end of the tier, or a key listed for two slots.
+    #: Entries lost: slots past the end of the tier whose last record is live.
     dropped: int
+    #: Entries left out whose key is served from another slot it is listed for.
+    repeated: int = 0
 
 
 def _load(dir_fd: int, directory: Path, name: str, *, owner: bool) -> memoryview | None:
@@ -329,9 +331,7 @@ _KEY_HALVES = np.dtype([("head", "<u8"), ("tail", "<u8")])
 def replay(records: np.ndarray, num_slots: int, *, unique: bool = True) -> SlotMap:
     """The live entries of ``records`` applied in order (a slot's last record wins) in a
     tier of ``num_slots`` slots, one slot per key (the lowest slot of a key listed for
-    more); not ``unique``, as listed (see :func:`serve_one_slot_per_key`). ``dropped``
-    counts the entries left out: a slot past the tier's end whose last record is live,
-    a second slot of a key."""
+    more); not ``unique``, as listed (see :func:`serve_one_slot_per_key`)."""
     slots, live, keys = records["slot"], records["live"], records["key"]
     if len(slots) > 1 and not bool(np.all(slots[1:] > slots[:-1])):  # not a checkpoint's ascending list
         last = zeroed_array(num_slots, np.int64)
@@ -433,7 +433,10 @@ def serve_one_slot_per_key(listed: SlotMap, holding: Holding) -> tuple[SlotMap, 
     keep[positions] = False
     keep[chosen] = True
     served = SlotMap(
-        slots=listed.slots[keep], keys=listed.keys[keep], dropped=listed.dropped + len(positions) - len(chosen)
+        slots=listed.slots[keep],
+        keys=listed.keys[keep],
+        dropped=listed.dropped,
+        repeated=listed.repeated + len(positions) - len(chosen),
     )
     return served, dict(zip(listed.keys[chosen].tolist(), listed.slots[chosen].tolist(), strict=True))
 
