@@ -48,9 +48,9 @@ from tiered_kv.tiers.nvme_format import (
     verify_slot,
 )
 from tiered_kv.tiers.nvme_journal import (
-    RESTORABLE,
     SlotMap,
     every_slot_holds,
+    live_past_the_end,
     read_files,
     replay,
     serve_one_slot_per_key,
@@ -265,7 +265,7 @@ def _report_group(
         else every_slot_holds
     )
     # A key listed for several slots is served from the slot a reopen would serve it from.
-    listed, _ = serve_one_slot_per_key(replay(files.records, slots, unique=False), holding)
+    listed, _ = serve_one_slot_per_key(replay(files.records, slots), holding)
     outside = _outside(files.records, slots, listed)
     corrupt = {slot: f"slot {slot}: outside the slots file's {slots} slots" for slot in outside}
     if verify:
@@ -288,17 +288,12 @@ def _report_group(
 
 def _outside(records: np.ndarray, slots: int, listed: SlotMap) -> dict[int, bytes]:
     """Slot → key of the entries a reopen would bring back that name a slot past the end
-    of the slots file (a slot's last record counts, as in :func:`replay`), a key the
-    ``listed`` slots inside it do not hold (once, at its lowest slot)."""
-    last: dict[int, bytes | None] = {}
-    for record in records[records["slot"] >= slots].tolist():
-        last[record[0]] = record[3] if record[1] == RESTORABLE else None
-    if not any(key is not None for key in last.values()):
-        return {}
-    held = set(listed.keys.tolist())
+    of the slots file, for a key the ``listed`` slots inside it do not hold (once, at
+    its lowest slot)."""
+    held = set(listed.keys.tolist()) if (past := live_past_the_end(records, slots)) else set()
     outside: dict[int, bytes] = {}
-    for slot, key in sorted(last.items()):
-        if key is not None and key not in held:
+    for slot, key in sorted(past.items()):
+        if key not in held:
             outside[slot] = key
             held.add(key)
     return outside

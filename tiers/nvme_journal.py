@@ -328,10 +328,10 @@ def _whose(found: Identity, wanted: tuple[bytes | None, int, int | None]) -> str
 _KEY_HALVES = np.dtype([("head", "<u8"), ("tail", "<u8")])
 
 
-def replay(records: np.ndarray, num_slots: int, *, unique: bool = True) -> SlotMap:
+def replay(records: np.ndarray, num_slots: int) -> SlotMap:
     """The live entries of ``records`` applied in order (a slot's last record wins) in a
-    tier of ``num_slots`` slots, one slot per key (the lowest slot of a key listed for
-    more); not ``unique``, as listed (see :func:`serve_one_slot_per_key`)."""
+    tier of ``num_slots`` slots, as listed: a key may be listed for several slots (see
+    :func:`serve_one_slot_per_key`)."""
     slots, live, keys = records["slot"], records["live"], records["key"]
     if len(slots) > 1 and not bool(np.all(slots[1:] > slots[:-1])):  # not a checkpoint's ascending list
         last = zeroed_array(num_slots, np.int64)
@@ -347,21 +347,21 @@ def replay(records: np.ndarray, num_slots: int, *, unique: bool = True) -> SlotM
         # A checkpoint whose entries are all live, in a tier no smaller than the one that
         # wrote it: every record as it is, not copied (four arrays of a million entries
         # in new memory cost the reopen tens of ms of page faults).
-        found = SlotMap(slots=slots, keys=keys, dropped=0)
-        return _lowest_slot_per_key(found) if unique else found
+        return SlotMap(slots=slots, keys=keys, dropped=0)
     else:
         pick = np.flatnonzero(slots < num_slots)
     pick = pick[live[pick] == RESTORABLE]
-    found = SlotMap(slots=slots[pick], keys=keys[pick], dropped=_live_past_the_end(records, num_slots))
-    return _lowest_slot_per_key(found) if unique else found
+    return SlotMap(slots=slots[pick], keys=keys[pick], dropped=len(live_past_the_end(records, num_slots)))
 
 
-def _live_past_the_end(records: np.ndarray, num_slots: int) -> int:
-    """Slots past the end of a tier of ``num_slots`` whose last record is live (few, if
-    any: a tier reopened smaller)."""
+def live_past_the_end(records: np.ndarray, num_slots: int) -> dict[int, bytes]:
+    """Slot → key of the slots past the end of a tier of ``num_slots`` whose last record
+    is live: the entries a reopen of that tier loses (few, if any: a tier reopened
+    smaller, a slots file cut short)."""
     past = np.flatnonzero(records["slot"] >= num_slots)[::-1]
     _, last = np.unique(records["slot"][past], return_index=True)
-    return int(np.count_nonzero(records["live"][past[last]] == RESTORABLE))
+    kept = past[last][records["live"][past[last]] == RESTORABLE]
+    return dict(zip(records["slot"][kept].tolist(), records["key"][kept].tolist(), strict=True))
 
 
 class _Repeats(NamedTuple):
@@ -446,10 +446,6 @@ def every_slot_holds(slots: list[int], keys: list[bytes]) -> list[bool]:
     return [True] * len(slots)
 
 
-def _lowest_slot_per_key(found: SlotMap) -> SlotMap:
-    return serve_one_slot_per_key(found, every_slot_holds)[0]
-
-
 def recovered_chunks(slot_map: SlotMap) -> KeyInts:
     """Key → slot of a slot map's entries, built in steps (each holds the interpreter),
     the lock handed to the loop's thread after about ``HAND_OVER_EVERY_S`` of them (after
@@ -489,7 +485,7 @@ class Journal:
         (:func:`serve_one_slot_per_key`, ``holding`` reading their headers) and stays
         listed for all, so that one reused later brings the key back from another."""
         files = self._read()
-        listed = found = replay(files.records, self._num_slots, unique=False)
+        listed = found = replay(files.records, self._num_slots)
         chunks = recovered_chunks(listed)
         if len(chunks) != len(listed.slots):
             found, served = serve_one_slot_per_key(listed, holding)
@@ -549,7 +545,7 @@ class Journal:
         )
 
     def _compact(self) -> None:
-        self._rewrite(self._generation + 1, replay(self._read().records, self._num_slots, unique=False))
+        self._rewrite(self._generation + 1, replay(self._read().records, self._num_slots))
 
     def _rewrite(self, generation: int, entries: SlotMap) -> None:
         """Write ``entries`` as checkpoint ``generation``, then an empty journal of it.
