@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +125,18 @@ def huge_page_eligible(array: np.ndarray) -> bool | None:
     not say)."""
     fields = smaps_of(array)
     return None if fields is None or "THPeligible" not in fields else fields["THPeligible"] == "1"
+
+
+@pytest.fixture
+def loop_thread_starts(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
+    """Each thread started meanwhile, by name: whether the main thread (the event loop's)
+    started it. Starting a thread waits until it runs, which is the loop's time there."""
+    started: dict[str, bool] = {}
+    start = threading.Thread.start
+
+    def recorded(thread: threading.Thread) -> None:
+        started[thread.name] = threading.current_thread() is threading.main_thread()
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", recorded)
+    return started

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
+import time
 import tracemalloc
 from collections import OrderedDict
 
@@ -372,6 +374,92 @@ def test_a_clear_in_steps_lets_go_of_a_step_of_references_per_call_and_of_all_in
     del table
     gc.collect()
     assert held() == 0
+
+
+def test_a_clear_in_steps_frees_each_page_of_entries_once_it_has_passed_it() -> None:
+    """A million entries' pages, all freed by the last step, held the interpreter (a
+    closing manager's loop) for about 3 ms: each goes once the walk has passed it."""
+    keys = [i.to_bytes(16, "little") for i in range(8 * 4096 + 100)]  # 8 whole pages of entries and a part
+    tracemalloc.start()
+    try:
+        table = KeyInts()
+        table.set_many(keys, range(len(keys)))
+        for key in keys[::5]:  # entries on the free list, which the walk passes over
+            del table[key]
+        table.clear_in_steps(1)  # the entries taken out (and the buckets freed)
+        held = [0] * 64  # made before it is measured: its growth would count
+        held[0] = pages = tracemalloc.get_traced_memory()[0]
+        steps = 1
+        while table.clear_in_steps(1024):
+            held[steps] = tracemalloc.get_traced_memory()[0]
+            steps += 1
+        after = tracemalloc.get_traced_memory()[0]
+        del held[steps:]
+    finally:
+        tracemalloc.stop()
+    page = (pages - after) // 8  # what a whole page of entries takes
+    assert held[len(held) // 2] <= pages - 3 * page  # half the walk done: most of its pages gone
+    assert held[-1] - after < 3 * page  # the last step frees what is left: the last pages
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    size=st.integers(1, 3 * 4096 + 50),
+    every=st.integers(2, 9),
+    steps=st.lists(st.integers(1, 5000), min_size=1, max_size=6),
+    meanwhile=st.integers(0, 3),
+)
+def test_a_clear_in_steps_over_many_pages_lets_go_of_every_reference_once(
+    size: int, every: int, steps: list[int], meanwhile: int
+) -> None:
+    """Pages freed as the walk passes them, whatever the steps, the entries on the free
+    list and the keys set meanwhile: each reference let go of once, none kept."""
+    keys = [i.to_bytes(12, "little") for i in range(size)]
+    values = [i.to_bytes(20, "little") for i in range(size)]
+    before = sum(map(sys.getrefcount, keys)) + sum(map(sys.getrefcount, values))
+    table = KeyOrder()
+    table.set_many(keys, values)
+    for key in keys[::every]:
+        del table[key]
+    del key
+    calls = 0
+    while table.clear_in_steps(steps[calls % len(steps)]):
+        if calls < meanwhile:
+            table[keys[calls % size]] = values[calls % size]  # set while the walk goes on
+        calls += 1
+    assert len(table) == 0 and list(table) == []
+    assert sum(map(sys.getrefcount, keys)) + sum(map(sys.getrefcount, values)) == before
+
+
+def test_a_large_reserve_touches_its_pages_without_the_gil() -> None:
+    """A warm restart's first batch into a table a reserve had sized touched its pages,
+    one fault at a time, on the event loop (3 ms at a million entries). The reserve, made
+    in a thread, writes them once without the GIL: the loop's thread runs meanwhile. The
+    interpreter never forces a switch here; the main thread can only run during the
+    reserve if the reserve lets go of the GIL."""
+    table = KeyOrder()
+    started, done = threading.Event(), threading.Event()
+    during = 0
+
+    def reserve() -> None:
+        started.set()
+        table.reserve(1 << 25)  # 128 MiB of buckets
+        done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        thread = threading.Thread(target=reserve)
+        thread.start()
+        while not done.is_set():
+            during += started.is_set() and not done.is_set()
+            time.sleep(0)
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert during > 0
+    table[b"k"] = None
+    assert list(table) == [b"k"]
 
 
 def test_a_clear_in_steps_takes_a_positive_step() -> None:

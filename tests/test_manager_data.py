@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
@@ -35,6 +36,7 @@ from tiered_kv.config import NvmeTierConfig as NvmeConfig
 from tiered_kv.config import RemoteTierConfig
 from tiered_kv.interfaces import HostTier, RecoverableTier, RemoteTier, TierDriver, TransferOp
 from tiered_kv.manager import RegistryTiers
+from tiered_kv.policies.lru import LRU
 from tiered_kv.testing import FaultyTier
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +115,31 @@ async def test_warm_restart_serves_chunks_from_nvme(tmp_path: Path) -> None:
         assert kv.lookup(NS, [keys]) == 3
         assert await kv.load(NS, request_id="b", keys=[keys], block_ids=[list(range(12))], num_tokens=48) == 48
         assert all(torch.equal(new[:12], old[:12]) for new, old in zip(fresh, cache, strict=True))
+
+
+async def test_a_warm_restart_sizes_the_policys_tables_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: the policy sized its tables for the chunks coming back on the event
+    loop, and the restart's first batch then touched every page of them there: 3 ms of
+    one step of the loop at a million chunks. Sized in a thread, without the GIL."""
+    cache = engine_cache()
+    keys = chunk_keys(NS, list(range(48)))
+    async with TieredKV(config(tmp_path, cpu_chunks=8, nvme_chunks=8)) as kv:
+        await kv.register(NS, [cache])
+        await kv.store(NS, request_id="a", keys=[keys], block_ids=[list(range(12))])
+    sized_on: list[bool] = []
+    expect_restored = LRU.expect_restored
+
+    def watched(self: LRU, n: int) -> None:
+        sized_on.append(threading.current_thread() is threading.main_thread())
+        expect_restored(self, n)
+
+    monkeypatch.setattr(LRU, "expect_restored", watched)
+    async with TieredKV(config(tmp_path, cpu_chunks=8, nvme_chunks=8)) as kv:
+        await kv.register(NS, [engine_cache(seed=1)])
+        assert sized_on == [False]
+        assert kv.lookup(NS, [keys]) == 3
 
 
 class _LendingNvme:

@@ -681,3 +681,14 @@ async def test_a_closed_store_goes_with_its_last_reference_not_at_a_later_collec
         assert before - mapped_bytes() >= 17 << 17  # its keys and live flags, unmapped now
     finally:
         gc.enable()
+
+
+async def test_the_driver_threads_are_started_off_the_event_loop(
+    tmp_path: Path, loop_thread_starts: dict[str, bool]
+) -> None:
+    """Regression: the 8 threads of an nvme driver were started on the event loop at each
+    open, holding it about 2 ms (each start waits until its thread runs)."""
+    tier = await open_store(tmp_path, io_depth=3)
+    await tier.close()
+    ours = {name: on_loop for name, on_loop in loop_thread_starts.items() if name.startswith("tiered-kv-nvme")}
+    assert ours == {f"tiered-kv-nvme_{i}": False for i in range(3)}

@@ -10,6 +10,7 @@ import os
 import random
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -718,6 +719,38 @@ async def test_the_event_loop_runs_between_the_steps_of_building_a_recovered_map
     finally:
         sys.setswitchinterval(interval)
     assert ticks >= steps // 2, f"the loop ran {ticks} times during {steps} steps"
+
+
+async def test_a_reopen_frees_the_records_it_read_and_the_map_they_gave_in_the_driver_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: the records read and the slot map they gave (tens of MB at a million
+    chunks) were freed on the event loop once the recovery's log line was written,
+    unmapping them there: 2 ms of a 7 ms step of the loop at a reopen of a million
+    chunks. Freed in the driver's thread, the unmapping leaves the loop the interpreter."""
+    tier = await open_store(tmp_path)
+    await tier.write([op(slot, 1) for slot in range(SLOTS)])
+    await tier.close()
+    freed_in: list[str] = []
+    recover = nvme_journal.Journal.recover
+
+    def watched(self: nvme_journal.Journal, holding: Any) -> Any:
+        files, found, chunks = recover(self, holding)
+        for array in (files.records, found.slots, found.keys):
+            weakref.finalize(array, lambda: freed_in.append(threading.current_thread().name))
+        return files, found, chunks
+
+    monkeypatch.setattr(nvme_journal.Journal, "recover", watched)
+    with capture_logs() as logs:
+        tier = await open_store(tmp_path)
+    try:
+        assert len(freed_in) == 3
+        assert threading.main_thread().name not in freed_in, freed_in
+        [recovered] = [e for e in logs if e["event"] == "nvme.recovered"]
+        assert (recovered["n_chunks"], recovered["dropped"], recovered["repeated"]) == (SLOTS, 0, 0)
+        assert (await read(tier, 3, 1)).equal(data(3, 1))
+    finally:
+        await tier.close()
 
 
 @pytest.mark.parametrize(("every_s", "hand_overs"), [(0.0, 8), (1e9, 0)])

@@ -182,6 +182,14 @@ async def test_a_refused_connection_is_a_miss_and_the_node_backs_off(tmp_path: P
     assert tier.statistics().errors == 9
 
 
+async def test_the_driver_threads_are_started_off_the_event_loop(loop_thread_starts: dict[str, bool]) -> None:
+    """Each start of a thread waits until it runs: the loop's time, were they started there."""
+    tier = await open_tier(RemoteTierConfig(url=f"redis://127.0.0.1:{free_port()}", io_depth=3))
+    await tier.close()
+    ours = {name: on_loop for name, on_loop in loop_thread_starts.items() if name.startswith("tiered-kv-remote_")}
+    assert ours == {f"tiered-kv-remote_{i}": False for i in range(3)}
+
+
 def test_backoff_doubles_per_failed_retry_not_per_concurrent_failure() -> None:
     now = [0.0]
     address = ("127.0.0.1", free_port())

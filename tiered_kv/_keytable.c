@@ -72,11 +72,10 @@ typedef struct {
     uint64_t version; /* changes whenever keys or their order change */
     int ints;
     /* The pages of entries a clear_in_steps() took out, whose references are dropped a
-     * step at a time: entries 1..dying_top, the next to go at dying_next. */
+     * step at a time: entries dying_next down to 1 are left. */
     Entry **dying;
     Py_ssize_t ndying, dying_cap; /* pages, and room for page pointers */
     int32_t dying_room; /* entries they hold room for */
-    int32_t dying_top;
     int32_t dying_next;
 } Table;
 
@@ -160,7 +159,7 @@ move_buckets(Table *t, int steps)
         }
         t->old.heads[t->moved] = 0;
         if (++t->moved > t->old.mask) {
-            PyMem_Free(t->old.heads);
+            PyMem_RawFree(t->old.heads);
             t->old.heads = NULL;
             t->moved = 0;
         }
@@ -170,11 +169,38 @@ move_buckets(Table *t, int steps)
 static int
 new_buckets(Buckets *b, size_t n)
 {
-    b->heads = PyMem_Calloc(n, sizeof(int32_t));
+    b->heads = PyMem_RawCalloc(n, sizeof(int32_t)); /* raw: touched_buckets() fills some without the GIL */
     if (b->heads == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    b->mask = n - 1;
+    return 0;
+}
+
+/* Buckets above this many bytes are written once as they are made, without the GIL. */
+#define TOUCH_BUCKET_BYTES (1 << 20)
+
+/* new_buckets(), every page of them written once, without the GIL where they are large:
+ * a large array comes zeroed from the kernel a page at a time as it is first touched,
+ * and the first batch of a warm restart into a million-entry table, touching most of
+ * its pages, took 3 ms of faults. Called from a thread other than the event loop's,
+ * the loop runs meanwhile. */
+static int
+touched_buckets(Buckets *b, size_t n)
+{
+    size_t nbytes = n * sizeof(int32_t);
+    if (nbytes <= TOUCH_BUCKET_BYTES)
+        return new_buckets(b, n);
+    int32_t *heads = PyMem_RawMalloc(nbytes);
+    if (heads == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    memset(heads, 0, nbytes);
+    Py_END_ALLOW_THREADS
+    b->heads = heads;
     b->mask = n - 1;
     return 0;
 }
@@ -434,8 +460,8 @@ set_item(Table *t, PyObject *key, PyObject *value)
 static void
 forget_entries(Table *t)
 {
-    PyMem_Free(t->main.heads);
-    PyMem_Free(t->old.heads);
+    PyMem_RawFree(t->main.heads);
+    PyMem_RawFree(t->old.heads);
     t->pages = NULL;
     t->npages = t->pages_cap = 0;
     t->top = t->free = t->room = 0;
@@ -446,30 +472,39 @@ forget_entries(Table *t)
     t->version++;
 }
 
-/* Drop the references of up to ``n`` entries a clear_in_steps() took out (all: n < 0);
- * their pages are freed after the last. */
+/* Drop the references of up to ``n`` entries a clear_in_steps() took out (all: n < 0),
+ * from the last down, freeing each page once the walk has passed it. Pages come from the
+ * C heap in the order they were made: the last is the likeliest at its top, and freed
+ * from the top the heap gives memory back to the system a little at a time. Freed from
+ * the bottom, the whole of it went back when the last page did: about 3 ms of one step
+ * at a million entries. */
 static void
 drop_dying(Table *t, Py_ssize_t n)
 {
-    for (; t->dying != NULL && t->dying_next <= t->dying_top; t->dying_next++) {
+    for (; t->dying != NULL && t->dying_next > 0; t->dying_next--) {
         int32_t i = t->dying_next - 1;
         Entry *e = &t->dying[i >> PAGE_BITS][i & PAGE_MASK];
-        if (e->key == NULL)
-            continue; /* on the free list */
-        if (n-- == 0)
-            break; /* at a live entry: none is left only once the walk has ended */
-        PyObject *key = e->key, *obj = t->ints ? NULL : e->value.obj;
-        e->key = NULL;
-        Py_DECREF(key); /* bytes, and bytes or None: no code runs */
-        Py_XDECREF(obj);
+        if (e->key != NULL) { /* else on the free list */
+            if (n-- == 0)
+                break; /* at a live entry: none is left only once the walk has ended */
+            PyObject *key = e->key, *obj = t->ints ? NULL : e->value.obj;
+            e->key = NULL;
+            Py_DECREF(key); /* bytes, and bytes or None: no code runs */
+            Py_XDECREF(obj);
+        }
+        if ((i & PAGE_MASK) == 0) { /* the first entry of a page: all of it passed */
+            PyMem_Free(t->dying[i >> PAGE_BITS]);
+            t->dying[i >> PAGE_BITS] = NULL;
+            t->dying_room = (i >> PAGE_BITS) * PAGE_ENTRIES; /* the pages below */
+        }
     }
-    if (t->dying != NULL && t->dying_next > t->dying_top) {
+    if (t->dying != NULL && t->dying_next == 0) {
         for (Py_ssize_t p = 0; p < t->ndying; p++)
-            PyMem_Free(t->dying[p]);
+            PyMem_Free(t->dying[p]); /* pages above the last entry */
         PyMem_Free(t->dying);
         t->dying = NULL;
         t->ndying = t->dying_cap = 0;
-        t->dying_room = t->dying_top = t->dying_next = 0;
+        t->dying_room = t->dying_next = 0;
     }
 }
 
@@ -784,8 +819,7 @@ table_clear_in_steps(Table *t, PyObject *arg)
         t->ndying = t->npages;
         t->dying_cap = t->pages_cap;
         t->dying_room = t->room;
-        t->dying_top = t->top;
-        t->dying_next = 1;
+        t->dying_next = t->top;
         forget_entries(t);
         t->main = fresh;
     }
@@ -811,9 +845,9 @@ table_reserve(Table *t, PyObject *arg)
     while ((Py_ssize_t)buckets < n)
         buckets *= 2;
     Buckets sized;
-    if (new_buckets(&sized, buckets) < 0)
+    if (touched_buckets(&sized, buckets) < 0)
         return NULL;
-    PyMem_Free(t->main.heads);
+    PyMem_RawFree(t->main.heads);
     t->main = sized;
     Py_RETURN_NONE;
 }

@@ -521,7 +521,8 @@ class TieredKV:
         # call before register returns).
         if isinstance(driver, HandsOverRecovered):
             taken = driver.take_recovered()
-            self._control.begin_restore(pool, taken)
+            # Off the loop: the policy sizes its tables for what comes, touching every page.
+            await asyncio.to_thread(self._control.begin_restore, pool, taken)
             keys, slots = iter(taken), taken.values()
         else:
             recovered = driver.recovered()

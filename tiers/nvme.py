@@ -72,7 +72,7 @@ from tiered_kv.tiers._driver import (
     split,
     thread_parts,
     tier_error,
-    worker_pool,
+    worker_pool_off_loop,
 )
 from tiered_kv.tiers.nvme_commit import GroupCommit
 from tiered_kv.tiers.nvme_files import open_file, open_root, open_store_dir, read_file, replace_file
@@ -93,8 +93,6 @@ from tiered_kv.tiers.nvme_journal import (
     MAX_SLOTS,
     Identity,
     Journal,
-    SlotMap,
-    SlotMapFiles,
     forget_record,
     write_record,
 )
@@ -298,7 +296,7 @@ class NvmeTier(DriverBase):
         if compact_every is not None and compact_every <= 0:
             raise ValueError(f"compact_every must be positive, got {compact_every}")
         directory = Path(root) / namespace.dir_name
-        pool = worker_pool("nvme", io_depth)
+        pool = await worker_pool_off_loop("nvme", io_depth)
         files: list[tuple[int, int, int, bool]] = []  # kept here: a cancelled wait returns no result
 
         def open_files() -> None:
@@ -627,24 +625,24 @@ class NvmeTier(DriverBase):
     # -- slot map and recovery ---------------------------------------------------------------
     async def _recover(self) -> None:
         started = time.perf_counter()
-        [(files, found)] = await in_threads(self._pool, self._restore, [()])
-        for problem in files.problems:
+        [(problems, recovered)] = await in_threads(self._pool, self._restore, [()])
+        for problem in problems:
             log.warning("nvme.slot_map_damaged", path=str(self.directory), group=self.group, reason=problem)
         log.info(
             "nvme.recovered",
             path=str(self.directory),
             group=self.group,
-            n_chunks=len(found.slots),
-            dropped=found.dropped,
-            repeated=found.repeated,
-            torn_bytes=files.torn,
+            **recovered,
             direct_io=self.direct,
             ms=round((time.perf_counter() - started) * 1000, 1),
         )
 
-    def _restore(self) -> tuple[SlotMapFiles, SlotMap]:
+    def _restore(self) -> tuple[list[str], dict[str, int]]:
         """In a driver thread: recover the journal and the map :meth:`recovered` hands
-        out, and fill the slot map from it."""
+        out, and fill the slot map from it. Returns what is wrong with the files and the
+        counts ``nvme.recovered`` logs: the records read and the map they gave (tens of
+        MB at a million chunks) are freed here, where unmapping them leaves the loop's
+        thread the interpreter, not on the loop."""
         try:
             holding = functools.partial(
                 slots_hold, self._fd, slot_bytes=self.slot_bytes, fingerprint=self._fingerprint, threads=self.io_depth
@@ -654,7 +652,13 @@ class NvmeTier(DriverBase):
             raise tier_error(self.name, f"reading the slot map of {self.directory}", exc) from exc
         np.frombuffer(self._keys, dtype="V16")[found.slots] = found.keys
         np.frombuffer(self._live, dtype=np.uint8)[found.slots] = 1
-        return files, found
+        counts = {
+            "n_chunks": len(found.slots),
+            "dropped": found.dropped,
+            "repeated": found.repeated,
+            "torn_bytes": files.torn,
+        }
+        return files.problems, counts
 
     def _commit(self, records: bytes) -> None:
         """In a driver thread: one group commit of the journal."""

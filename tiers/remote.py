@@ -38,7 +38,16 @@ from tiered_kv.interfaces import RemoteTierStats, RemoteUsage, TransferOp
 from tiered_kv.keys import ChunkKey
 from tiered_kv.log import get_logger
 from tiered_kv.namespace import Namespace
-from tiered_kv.tiers._driver import WorkerPool, bytes_of, check_buffer, in_threads, settle, shutdown, split, worker_pool
+from tiered_kv.tiers._driver import (
+    WorkerPool,
+    bytes_of,
+    check_buffer,
+    in_threads,
+    settle,
+    shutdown,
+    split,
+    worker_pool_off_loop,
+)
 from tiered_kv.tiers.nvme_format import MAX_KEY_BYTES, payload_checksum
 from tiered_kv.tiers.remote_format import (
     header_bytes,
@@ -312,7 +321,7 @@ class RemoteTier(DriverBase):
         """A driver for ``namespace``'s KV group ``group`` on the deployment ``config``
         names. An unreachable deployment is not an error here (it is logged): its chunks
         are misses until it answers."""
-        pool = worker_pool("remote", config.io_depth)
+        pool = await worker_pool_off_loop("remote", config.io_depth)
         try:
             [settings] = await in_threads(pool, _settings, [(config,)])  # reads files: not on the loop
         except BaseException:
