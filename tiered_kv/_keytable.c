@@ -847,6 +847,12 @@ table_reserve(Table *t, PyObject *arg)
     Buckets sized;
     if (touched_buckets(&sized, buckets) < 0)
         return NULL;
+    /* Another thread may have used the table while the GIL was let go of: sized only if
+     * it is still empty and smaller. */
+    if (t->count || t->old.heads != NULL || buckets <= t->main.mask + 1) {
+        PyMem_RawFree(sized.heads);
+        Py_RETURN_NONE;
+    }
     PyMem_RawFree(t->main.heads);
     t->main = sized;
     Py_RETURN_NONE;

@@ -272,7 +272,11 @@ class RestoreHintPolicy(CachePolicy, Protocol):
     batches are about to bring, so that it sizes its tables once: a table of a million
     keys that grows as it fills moves its entries meanwhile, a third of the restart's
     cost of inserting them. A hint: what the policy holds does not change, and one that
-    raises is logged (``policy.restore_hint_failed``) and the restart goes on."""
+    raises is logged (``policy.restore_hint_failed``) and the restart goes on.
+
+    Called in a worker thread while the event loop runs (sizing a table of a million
+    keys touches its memory: milliseconds), before any other call on the policy: it
+    touches only the policy's own tables, never the loop."""
 
     def expect_restored(self, n: int) -> None:
         """About ``n`` (> 0) keys are coming (a table holding keys already need not change)."""
