@@ -55,8 +55,9 @@ from tiered_kv.tiers._driver import (
 log = get_logger("cpu")
 
 #: Slot views let go per turn of the event loop when the tier closes: a tensor costs a
-#: fraction of a µs to free, and a tier may have hundreds of thousands of slots.
-VIEWS_PER_STEP = 4096
+#: fraction of a µs to free (4,096 took 0.7–1.8 ms of a step on the development VM), and
+#: a tier may have hundreds of thousands of slots.
+VIEWS_PER_STEP = 2048
 #: Slot views made between two hand-overs of the interpreter lock (about 1 ms of work).
 VIEWS_PER_HAND_OVER = 1024
 
