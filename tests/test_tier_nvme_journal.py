@@ -29,7 +29,7 @@ from tiered_kv.namespace import Namespace
 from tiered_kv.tiers import _driver, nvme_journal
 from tiered_kv.tiers.nvme import NvmeTier
 from tiered_kv.tiers.nvme_files import read_file
-from tiered_kv.tiers.nvme_format import HEADER_BYTES, slots_hold
+from tiered_kv.tiers.nvme_format import HEADER_BYTES, slot_stride, slots_hold
 
 SLOT = 4096
 SLOTS = 8
@@ -422,32 +422,67 @@ async def check_pooled(tier: NvmeTier, model: PooledModel) -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def tear_payload(store: Path, slot: int) -> None:
+    """What a crash can leave in ``slot``: its header intact, part of its payload
+    overwritten (the pages of a rewrite that landed before the header's did)."""
+    with (store / "g0.slots").open("r+b") as slots_file:
+        slots_file.seek(slot * slot_stride(SLOT) + HEADER_BYTES + SLOT // 2)
+        slots_file.write(bytes(range(256)) * 4)
+
+
 @given(slots=st.lists(st.integers(0, SLOTS - 1), min_size=2, max_size=4, unique=True), data_=st.data())
 async def test_a_key_listed_for_several_slots_is_served_after_a_crash_from_one_that_still_holds_it(
     tmp_path_factory: pytest.TempPathFactory, slots: list[int], data_: st.DataObject
 ) -> None:
     """A chunk stored again and again in other slots (the core evicts it each time
     without forgetting its slot), synced; then some of those slots reused for other
-    chunks, their records lost to a crash: the reopened store serves the chunk from a
-    slot that still holds it, whichever those are."""
+    chunks and some torn by the crash that lost their records: the reopened store
+    serves the chunk from a slot that still holds it whole, whichever those are."""
     root = tmp_path_factory.mktemp("several")
     chunk_key, chunk = pooled(0)
     tier = await open_store(root / "live")
     for slot in slots:
         await tier.write([TransferOp(buffer=chunk, key=chunk_key, slot=slot)])
     await tier.sync()
-    reused = data_.draw(st.lists(st.sampled_from(slots), max_size=len(slots) - 1, unique=True))
+    lost = data_.draw(st.lists(st.sampled_from(slots), max_size=len(slots) - 1, unique=True))
+    torn = data_.draw(st.lists(st.sampled_from(lost), unique=True)) if lost else []
+    reused = [slot for slot in lost if slot not in torn]
     for slot in reused:
         other_key, other = pooled(slot + 1)
         await tier.write([TransferOp(buffer=other, key=other_key, slot=slot)])
     copy = crash_copy(tier, root / "crash")
     await tier.close()
+    for slot in torn:
+        tear_payload(copy, slot)
     tier = await open_store(copy.parent)
     try:
         at = tier.recovered()[chunk_key]
-        assert at in slots and at not in reused
+        assert at in slots and at not in lost
         out = torch.zeros(SLOT, dtype=torch.uint8)
         await tier.read([TransferOp(buffer=out, key=chunk_key, slot=at)])
+        assert torch.equal(out, chunk)
+    finally:
+        await tier.close()
+
+
+async def test_a_key_whose_first_slot_was_torn_by_a_crash_is_served_from_its_other_slot(tmp_path: Path) -> None:
+    """Regression: of a key listed for two slots, a reopen served the first whose header
+    named it. A crash that tore that slot's payload (the header intact) made the key a
+    miss when read, while the other slot held it whole; only a later reopen, once the
+    core had forgotten the torn slot, found it again."""
+    chunk_key, chunk = pooled(0)
+    tier = await open_store(tmp_path / "live")
+    for slot in (2, 5):
+        await tier.write([TransferOp(buffer=chunk, key=chunk_key, slot=slot)])
+    await tier.sync()
+    copy = crash_copy(tier, tmp_path / "crash")
+    await tier.close()
+    tear_payload(copy, 2)
+    tier = await open_store(copy.parent)
+    try:
+        assert tier.recovered()[chunk_key] == 5
+        out = torch.zeros(SLOT, dtype=torch.uint8)
+        await tier.read([TransferOp(buffer=out, key=chunk_key, slot=5)])
         assert torch.equal(out, chunk)
     finally:
         await tier.close()
@@ -840,7 +875,7 @@ def test_a_key_listed_for_three_slots_is_served_from_the_first_that_holds_it_els
     assert sorted(asked[0]) == [2, 8] and len(asked) == (1 + min(holds_at if holds_at is not None else 2, 2))
 
 
-async def test_slot_headers_are_read_in_parallel_each_verdict_in_its_candidates_place(tmp_path: Path) -> None:
+async def test_slots_are_checked_in_parallel_each_verdict_in_its_candidates_place(tmp_path: Path) -> None:
     """Many candidates are shared among threads; each verdict stays at its candidate's
     place: a slot whose header names its key, another key, or nothing."""
     tier = await open_store(tmp_path, num_slots=SLOTS)

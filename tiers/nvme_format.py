@@ -17,6 +17,7 @@ configuration that wrote it.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import re
@@ -42,8 +43,8 @@ MAX_KEY_BYTES = 256
 SCAN_BYTES = 1 << 20
 #: The file of a store directory that records its namespace.
 NAMESPACE_FILE = "namespace.json"
-#: Slot headers worth a thread of their own when :func:`slots_hold` reads many.
-_HEADERS_PER_THREAD = 64
+#: Slots worth a thread of their own when :func:`slots_hold` reads many.
+_SLOTS_PER_THREAD = 64
 
 # magic, version, key length, reserved, slot, payload length, namespace fingerprint, payload checksum
 _FIXED = struct.Struct("<8sHHIQQ32s16s")
@@ -145,28 +146,46 @@ def verify_slot(
 def slots_hold(
     fd: int, slots: list[int], keys: list[bytes], *, slot_bytes: int, fingerprint: bytes, threads: int
 ) -> list[bool]:
-    """For each slot and key: whether the header of the slot in the slots file open as
-    ``fd`` names the key (intact, of this namespace, written for this slot); its payload
-    is not read. Each read is a round trip to the device: ``threads`` of them at once."""
-    stride = slot_stride(slot_bytes)
-
-    def check(part: Sequence[tuple[int, bytes]]) -> list[bool]:
-        verdicts = []
-        with mmap.mmap(-1, HEADER_BYTES) as page, memoryview(page) as header:  # page-aligned, as O_DIRECT needs
-            for slot, key in part:
-                try:
-                    whole = os.preadv(fd, [header], slot * stride) == HEADER_BYTES
-                    verdicts.append(whole and read_header(header, fingerprint=fingerprint, slot=slot)[0] == key)
-                except (OSError, CorruptChunk):
-                    verdicts.append(False)
-        return verdicts
-
+    """For each slot and key: whether the slot of the slots file open as ``fd`` holds the
+    key whole, as a read would find it (:func:`verify_slot`: a header of this namespace
+    written for this slot names the key, and the payload matches its checksum). A slot
+    whose header names the key while its payload was torn (a crash that landed some of
+    the payload's pages and not the header's rewrite) does not. Each slot is a round
+    trip to the device: ``threads`` of them at once."""
+    check = functools.partial(slot_faults, fd, slot_bytes=slot_bytes, fingerprint=fingerprint)
     pairs = list(zip(slots, keys, strict=True))
-    parts = split(pairs, min(threads, -(-len(pairs) // _HEADERS_PER_THREAD)))
+    parts = split(pairs, min(threads, -(-len(pairs) // _SLOTS_PER_THREAD)))
     if len(parts) <= 1:
-        return check(pairs)
-    with ThreadPoolExecutor(len(parts), thread_name_prefix="tiered-kv-nvme-headers") as pool:
-        return [verdict for part in pool.map(check, parts) for verdict in part]
+        return [fault is None for fault in check(pairs)]
+    with ThreadPoolExecutor(len(parts), thread_name_prefix="tiered-kv-nvme-verify") as pool:
+        return [fault is None for part in pool.map(check, parts) for fault in part]
+
+
+def slot_faults(
+    fd: int, pairs: Sequence[tuple[int, bytes]], *, slot_bytes: int, fingerprint: bytes
+) -> list[str | None]:
+    """For each ``(slot, key)``: why the slot of the slots file open as ``fd`` does not
+    hold the key whole (:func:`verify_slot`), or ``None`` where it does. In one thread,
+    one slot after another."""
+    faults: list[str | None] = []
+    # Page-aligned, as O_DIRECT needs.
+    with mmap.mmap(-1, HEADER_BYTES + min(SCAN_BYTES, round_up(slot_bytes))) as pages, memoryview(pages) as buffer:
+        header, scan = buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]
+        try:
+            for slot, key in pairs:
+                try:
+                    verify_slot(
+                        fd, slot=slot, slot_bytes=slot_bytes, key=key, fingerprint=fingerprint, header=header, scan=scan
+                    )
+                    faults.append(None)
+                except CorruptChunk as exc:
+                    faults.append(exc.detail)
+                except OSError as exc:
+                    faults.append(f"slot {slot}: unreadable ({exc.strerror})")
+        finally:
+            header.release()
+            scan.release()
+    return faults
 
 
 def encode_namespace(namespace: Namespace) -> bytes:

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -30,22 +30,20 @@ from typing import TypeVar
 import msgspec
 import numpy as np
 
-from tiered_kv.errors import CorruptChunk, UnsafeStore
+from tiered_kv.errors import UnsafeStore
 from tiered_kv.inspection import CorruptSlot, GroupReport, Inspection, StoreReport
 from tiered_kv.layout import KVGroup
 from tiered_kv.namespace import Namespace
 from tiered_kv.tiers._driver import split, tier_error
 from tiered_kv.tiers.nvme_files import check_safe, open_file, open_subdir, read_file
 from tiered_kv.tiers.nvme_format import (
-    HEADER_BYTES,
     NAMESPACE_FILE,
-    SCAN_BYTES,
     decode_namespace,
     group_file,
+    slot_faults,
     slot_stride,
     slots_hold,
     store_groups,
-    verify_slot,
 )
 from tiered_kv.tiers.nvme_journal import (
     SlotMap,
@@ -302,27 +300,8 @@ def _outside(records: np.ndarray, slots: int, listed: SlotMap) -> dict[int, byte
 def _verify(fd: int, listed: SlotMap, slot_bytes: int, fingerprint: bytes) -> dict[int, str]:
     """Slot → why, for each listed chunk that fails verification, read in parallel."""
     entries = list(zip(listed.slots.tolist(), listed.keys.tolist(), strict=True))
+    runs = split(entries, VERIFY_THREADS)
+    faults = functools.partial(slot_faults, fd, slot_bytes=slot_bytes, fingerprint=fingerprint)
     with ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="tiered-kv-inspect") as pool:
-        runs = pool.map(functools.partial(_verify_run, fd, slot_bytes, fingerprint), split(entries, VERIFY_THREADS))
-        return {slot: reason for run in runs for slot, reason in run.items()}
-
-
-def _verify_run(fd: int, slot_bytes: int, fingerprint: bytes, entries: Sequence[tuple[int, bytes]]) -> dict[int, str]:
-    buffer = memoryview(bytearray(HEADER_BYTES + SCAN_BYTES))
-    reasons = {}
-    for slot, key in entries:
-        try:
-            verify_slot(
-                fd,
-                slot=slot,
-                slot_bytes=slot_bytes,
-                key=key,
-                fingerprint=fingerprint,
-                header=buffer[:HEADER_BYTES],
-                scan=buffer[HEADER_BYTES:],
-            )
-        except CorruptChunk as exc:
-            reasons[slot] = exc.detail
-        except OSError as exc:
-            reasons[slot] = f"slot {slot}: unreadable ({exc.strerror})"
-    return reasons
+        found = [fault for run_faults in pool.map(faults, runs) for fault in run_faults]
+    return {slot: fault for (slot, _), fault in zip(entries, found, strict=True) if fault is not None}

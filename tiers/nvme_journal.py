@@ -404,7 +404,7 @@ def _repeats(keys: np.ndarray) -> _Repeats | None:
     return _Repeats(positions, np.cumsum(sizes) - sizes, sizes)
 
 
-#: Of slots and their keys, which slots' headers name their key (see
+#: Of slots and their keys, which slots hold their key whole (see
 #: :func:`~tiered_kv.tiers.nvme_format.slots_hold`).
 Holding = Callable[[list[int], list[bytes]], list[bool]]
 
@@ -412,8 +412,8 @@ Holding = Callable[[list[int], list[bytes]], list[bool]]
 def serve_one_slot_per_key(listed: SlotMap, holding: Holding) -> tuple[SlotMap, dict[bytes, int]]:
     """``listed`` with each key listed for several slots (the core evicts a chunk without
     forgetting its slot, and may store it again elsewhere before that slot is reused) at
-    one only: the first whose header still names it, as ``holding`` tells (the others
-    may have been reused before a crash lost their records), else the lowest; and that
+    one only: the first that still holds it whole, as ``holding`` tells (the others may
+    have been reused, or torn, before a crash lost their records), else the lowest; and that
     slot of each such key. Asks ``holding`` about every key's next candidate at once."""
     repeats = _repeats(listed.keys)
     if repeats is None:
@@ -482,7 +482,7 @@ class Journal:
         appendable: a torn tail is cut off; anything else amiss (no files yet, a stale or
         foreign file, entries past the tier's end) is rewritten as a new generation of
         what was listed. A key listed for several slots is served from one
-        (:func:`serve_one_slot_per_key`, ``holding`` reading their headers) and stays
+        (:func:`serve_one_slot_per_key`, ``holding`` checking those slots) and stays
         listed for all, so that one reused later brings the key back from another."""
         files = self._read()
         listed = found = replay(files.records, self._num_slots)
