@@ -421,7 +421,6 @@ async def check_pooled(tier: NvmeTier, model: PooledModel) -> None:
         assert torch.equal(out, pooled(number)[1])
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def tear_payload(store: Path, slot: int) -> None:
     """What a crash can leave in ``slot``: its header intact, part of its payload
     overwritten (the pages of a rewrite that landed before the header's did)."""
@@ -430,6 +429,7 @@ def tear_payload(store: Path, slot: int) -> None:
         slots_file.write(bytes(range(256)) * 4)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(slots=st.lists(st.integers(0, SLOTS - 1), min_size=2, max_size=4, unique=True), data_=st.data())
 async def test_a_key_listed_for_several_slots_is_served_after_a_crash_from_one_that_still_holds_it(
     tmp_path_factory: pytest.TempPathFactory, slots: list[int], data_: st.DataObject

@@ -26,10 +26,10 @@ records, which :class:`~tiered_kv.tiers.nvme_commit.GroupCommit` makes durable o
 commit window (``commit_window_s``) or at once on :meth:`NvmeTier.sync`. A crash loses at
 most the writes of the last window (and of a commit in flight), never serves wrong bytes
 (a torn or reused slot fails its header or checksum on read), and a failed or cancelled
-write leaves its slots holding nothing. Reopening reads the checkpoint and the journal
-(and the headers of the slots of a key listed for several, in parallel), never a
-payload: O(slot map), not O(data); a chunk that fails on read is a miss that the core
-drops.
+write leaves its slots holding nothing. Reopening reads the checkpoint and the journal,
+not the payloads: O(slot map), not O(data), but for the slots of a key listed for
+several, which are checked whole, in parallel, until one holds it; a chunk that fails on
+read is a miss that the core drops.
 
 Memory: the slot map is a fixed array of 16-byte keys and a live flag per slot, 17 bytes
 a slot, whatever the occupancy.

@@ -31,7 +31,7 @@ import xxhash
 
 from tiered_kv.errors import CorruptChunk
 from tiered_kv.namespace import Namespace
-from tiered_kv.tiers._driver import round_up, split
+from tiered_kv.tiers._driver import round_up, split, thread_parts
 
 FORMAT_VERSION = 1
 MAGIC = b"TKVSLOT\0"
@@ -43,8 +43,6 @@ MAX_KEY_BYTES = 256
 SCAN_BYTES = 1 << 20
 #: The file of a store directory that records its namespace.
 NAMESPACE_FILE = "namespace.json"
-#: Slots worth a thread of their own when :func:`slots_hold` reads many.
-_SLOTS_PER_THREAD = 64
 
 # magic, version, key length, reserved, slot, payload length, namespace fingerprint, payload checksum
 _FIXED = struct.Struct("<8sHHIQQ32s16s")
@@ -154,7 +152,7 @@ def slots_hold(
     trip to the device: ``threads`` of them at once."""
     check = functools.partial(slot_faults, fd, slot_bytes=slot_bytes, fingerprint=fingerprint)
     pairs = list(zip(slots, keys, strict=True))
-    parts = split(pairs, min(threads, -(-len(pairs) // _SLOTS_PER_THREAD)))
+    parts = split(pairs, thread_parts(len(pairs) * slot_stride(slot_bytes), threads))
     if len(parts) <= 1:
         return [fault is None for fault in check(pairs)]
     with ThreadPoolExecutor(len(parts), thread_name_prefix="tiered-kv-nvme-verify") as pool:
@@ -168,23 +166,20 @@ def slot_faults(
     hold the key whole (:func:`verify_slot`), or ``None`` where it does. In one thread,
     one slot after another."""
     faults: list[str | None] = []
-    # Page-aligned, as O_DIRECT needs.
-    with mmap.mmap(-1, HEADER_BYTES + min(SCAN_BYTES, round_up(slot_bytes))) as pages, memoryview(pages) as buffer:
-        header, scan = buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]
+    # Page-aligned, as O_DIRECT needs; unmapped when its last view goes (closing it here
+    # could only raise over an error that keeps a view alive in its traceback).
+    buffer = memoryview(mmap.mmap(-1, HEADER_BYTES + min(SCAN_BYTES, round_up(slot_bytes))))
+    header, scan = buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]
+    for slot, key in pairs:
         try:
-            for slot, key in pairs:
-                try:
-                    verify_slot(
-                        fd, slot=slot, slot_bytes=slot_bytes, key=key, fingerprint=fingerprint, header=header, scan=scan
-                    )
-                    faults.append(None)
-                except CorruptChunk as exc:
-                    faults.append(exc.detail)
-                except OSError as exc:
-                    faults.append(f"slot {slot}: unreadable ({exc.strerror})")
-        finally:
-            header.release()
-            scan.release()
+            verify_slot(
+                fd, slot=slot, slot_bytes=slot_bytes, key=key, fingerprint=fingerprint, header=header, scan=scan
+            )
+            faults.append(None)
+        except CorruptChunk as exc:
+            faults.append(exc.detail)
+        except OSError as exc:
+            faults.append(f"slot {slot}: unreadable ({exc.strerror})")
     return faults
 
 
