@@ -499,8 +499,8 @@ drop_dying(Table *t, Py_ssize_t n)
         }
     }
     if (t->dying != NULL && t->dying_next == 0) {
-        for (Py_ssize_t p = 0; p < t->ndying; p++)
-            PyMem_Free(t->dying[p]); /* pages above the last entry */
+        /* Every page went as the walk passed its first entry: a page is only ever made
+         * for the entry appended next, so none lies above the last. */
         PyMem_Free(t->dying);
         t->dying = NULL;
         t->ndying = t->dying_cap = 0;

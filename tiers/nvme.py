@@ -640,9 +640,9 @@ class NvmeTier(DriverBase):
     def _restore(self) -> tuple[list[str], dict[str, int]]:
         """In a driver thread: recover the journal and the map :meth:`recovered` hands
         out, and fill the slot map from it. Returns what is wrong with the files and the
-        counts ``nvme.recovered`` logs: the records read and the map they gave (tens of
-        MB at a million chunks) are freed here, where unmapping them leaves the loop's
-        thread the interpreter, not on the loop."""
+        counts ``nvme.recovered`` logs, not the records read and the map they gave: tens
+        of MB at a million chunks, unmapped here without the interpreter lock rather
+        than on the loop."""
         try:
             holding = functools.partial(
                 slots_hold, self._fd, slot_bytes=self.slot_bytes, fingerprint=self._fingerprint, threads=self.io_depth
