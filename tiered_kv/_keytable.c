@@ -159,7 +159,7 @@ move_buckets(Table *t, int steps)
         }
         t->old.heads[t->moved] = 0;
         if (++t->moved > t->old.mask) {
-            PyMem_RawFree(t->old.heads);
+            PyMem_Free(t->old.heads);
             t->old.heads = NULL;
             t->moved = 0;
         }
@@ -169,7 +169,7 @@ move_buckets(Table *t, int steps)
 static int
 new_buckets(Buckets *b, size_t n)
 {
-    b->heads = PyMem_RawCalloc(n, sizeof(int32_t)); /* raw: touched_buckets() fills some without the GIL */
+    b->heads = PyMem_Calloc(n, sizeof(int32_t));
     if (b->heads == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -192,7 +192,7 @@ touched_buckets(Buckets *b, size_t n)
     size_t nbytes = n * sizeof(int32_t);
     if (nbytes <= TOUCH_BUCKET_BYTES)
         return new_buckets(b, n);
-    int32_t *heads = PyMem_RawMalloc(nbytes);
+    int32_t *heads = PyMem_Malloc(nbytes); /* with the GIL; only the writing goes without */
     if (heads == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -460,8 +460,8 @@ set_item(Table *t, PyObject *key, PyObject *value)
 static void
 forget_entries(Table *t)
 {
-    PyMem_RawFree(t->main.heads);
-    PyMem_RawFree(t->old.heads);
+    PyMem_Free(t->main.heads);
+    PyMem_Free(t->old.heads);
     t->pages = NULL;
     t->npages = t->pages_cap = 0;
     t->top = t->free = t->room = 0;
@@ -850,10 +850,10 @@ table_reserve(Table *t, PyObject *arg)
     /* Another thread may have used the table while the GIL was let go of: sized only if
      * it is still empty and smaller. */
     if (t->count || t->old.heads != NULL || buckets <= t->main.mask + 1) {
-        PyMem_RawFree(sized.heads);
+        PyMem_Free(sized.heads);
         Py_RETURN_NONE;
     }
-    PyMem_RawFree(t->main.heads);
+    PyMem_Free(t->main.heads);
     t->main = sized;
     Py_RETURN_NONE;
 }
