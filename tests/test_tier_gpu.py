@@ -382,16 +382,18 @@ def scattered_jobs(draw: st.DrawFn) -> dict[str, object]:
     }
 
 
+@pytest.mark.parametrize("gather_below", [0, 1 << 40], ids=["copy per run", "gather"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(job=scattered_jobs())
-async def test_a_gather_or_scatter_of_any_layout_moves_the_same_bytes_as_a_copy_per_block(
-    job: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+async def test_a_job_of_any_layout_moves_the_same_bytes_as_a_copy_per_block(
+    job: dict[str, Any], gather_below: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Randomized: whatever the element size and alignment of the cache (narrowed to bytes
     where a wider element does not fit), the slots of the job (one step apart or not) and the
-    blocks per op, a job moved as gathers and scatters reads each op's buffer as the
-    reference layout and writes exactly its blocks, leaving every other block as it was."""
-    monkeypatch.setattr(gpu, "GATHER_BELOW_BYTES", 1 << 40)
+    blocks per op, a job moved as strided copies per run, or as gathers and scatters, reads
+    each op's buffer as the reference layout and writes exactly its blocks, leaving every
+    other block as it was."""
+    monkeypatch.setattr(gpu, "GATHER_BELOW_BYTES", gather_below)
     layers, dtype, nb = job["layers"], job["dtype"], job["num_blocks"]
     if job["fused"]:  # [layers, 2, num_blocks, ...] in one allocation after `offset` elements
         size = layers * 2 * nb * math.prod(job["shape"])
@@ -475,3 +477,54 @@ async def test_buffers_aligned_but_at_an_odd_offset_in_their_storage_move_bit_ex
     await tier.write(ops)
     assert torch.equal(cache[list(blocks)], before[list(blocks)])
     await tier.close()
+
+
+@st.composite
+def jobs_over_buffers(draw: st.DrawFn) -> list[TransferOp]:
+    """Runs of ops over views of two slabs at random equal steps (now and then one view
+    out of step or unaligned), and ops over tensors of their own, with random numbers of
+    blocks from random positions."""
+    slabs = [torch.zeros(16 * 64, dtype=torch.uint8) for _ in range(2)]
+    own = [torch.zeros(64, dtype=torch.uint8) for _ in range(3)]
+    ops = []
+    for _ in range(draw(st.integers(1, 4))):
+        source, first = draw(st.integers(0, 2)), draw(st.integers(0, 1))
+        blocks = tuple(range(draw(st.integers(1, 2 - first))))
+        start, step = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+        for i in range(draw(st.integers(1, 5))):
+            if source == 2:
+                buffer = own[draw(st.integers(0, 2))]
+            else:
+                at = (start + i * step) * 64 - draw(st.sampled_from([0, 0, 0, 0, 16, 64]))
+                buffer = slabs[source][max(at, 0) :][:64]
+            ops.append(TransferOp(buffer=buffer, blocks=blocks, first_block=first))
+    return ops
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=jobs_over_buffers())
+def test_ops_form_a_stretch_exactly_when_alike_and_at_equal_steps_in_one_storage(ops: list[TransferOp]) -> None:
+    """Randomized, against the rule itself: an op joins the stretch before it when it has as
+    many blocks from the same position, its buffer lies in the same storage, and its step
+    from the stretch's first buffer is the stretch's step times its size (any step of at
+    least a chunk, for a stretch of one)."""
+    expected: list[list[TransferOp]] = []
+    for op in ops:
+        if expected:
+            first, m = expected[-1][0], len(expected[-1])
+            step = op.buffer.storage_offset() - first.buffer.storage_offset()
+            stride = (expected[-1][1].buffer.storage_offset() - first.buffer.storage_offset()) if m > 1 else 0
+            if (
+                (len(op.blocks), op.first_block) == (len(first.blocks), first.first_block)
+                and op.buffer.untyped_storage().data_ptr() == first.buffer.untyped_storage().data_ptr()
+                and (step == m * stride if m > 1 else step >= 64)
+            ):
+                expected[-1].append(op)
+                continue
+        expected.append([op])
+    stretches = _stretches(ops, 64)
+    assert [(s.first, s.size) for s in stretches] == [(group[0], len(group)) for group in expected]
+    for stretch, group in zip(stretches, expected, strict=True):
+        assert stretch.blocks == [block for op in group for block in op.blocks]
+        if len(group) > 1:
+            assert stretch.stride == group[1].buffer.storage_offset() - group[0].buffer.storage_offset()

@@ -692,3 +692,39 @@ async def test_the_driver_threads_are_started_off_the_event_loop(
     await tier.close()
     ours = {name: on_loop for name, on_loop in loop_thread_starts.items() if name.startswith("tiered-kv-nvme")}
     assert ours == {f"tiered-kv-nvme_{i}": False for i in range(3)}
+
+
+@pytest.mark.parametrize("direct_io", [False, None], ids=["buffered", "direct if it can"])
+async def test_a_batch_of_views_of_one_slab_takes_the_bytes_of_the_slab_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_io: bool | None
+) -> None:
+    """A worker thread that gives up the interpreter lock while the event loop runs waits
+    for the loop's next turn to have it back, and ``numpy()`` gives it up: a write or read
+    of views of one slab (a cpu tier's slots) takes the slab's bytes once, not each
+    view's. The bytes stay exact both ways."""
+    tier = await open_store(tmp_path, io_depth=1, direct_io=direct_io)
+    slab = torch.zeros(SLOTS * SLOT + 8192, dtype=torch.uint8)
+    # Views of the slab at page-aligned and unaligned places (staged under O_DIRECT).
+    at = [0, SLOT, 2 * SLOT + 100, 4 * SLOT + 4096, 3 * SLOT + 4096, 5 * SLOT + 8192]
+    views = [slab[a : a + SLOT] for a in at]
+    for slot, view in enumerate(views):
+        view.copy_(data(slot))
+    calls = []
+    numpy = torch.Tensor.numpy
+
+    def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append(self.numel())
+        return numpy(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "numpy", counted)
+    await tier.write([op(slot, view) for slot, view in enumerate(views)])
+    assert calls == [slab.numel()]
+    for view in views:
+        view.zero_()
+    calls.clear()
+    await tier.read([op(slot, view) for slot, view in enumerate(views)])
+    assert calls == [slab.numel()]
+    monkeypatch.undo()
+    for slot, view in enumerate(views):
+        assert torch.equal(view, data(slot))
+    await tier.close()

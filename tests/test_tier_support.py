@@ -14,9 +14,12 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tiered_kv.errors import CorruptChunk
-from tiered_kv.tiers._driver import WorkerPool, in_threads, settle, split, thread_parts
+from tiered_kv.tiers._driver import WorkerPool, bytes_of_each, in_threads, settle, split, thread_parts
 from tiered_kv.tiers.nvme_format import (
     MAX_KEY_BYTES,
     pack_header,
@@ -379,3 +382,41 @@ def test_two_of_a_pools_threads_shutting_it_down_do_not_wait_for_each_other() ->
         "print('done')\n"
     )
     assert_runs_to_its_end(code, "done")
+
+
+@st.composite
+def host_buffers(draw: st.DrawFn) -> list[torch.Tensor]:
+    """1-D contiguous uint8 buffers in random order: views of two slabs, views of a tensor
+    whose data starts inside its storage (some reaching before it), byte views of a
+    float16 tensor, and tensors of their own."""
+    slabs = [torch.arange(256, dtype=torch.uint8).repeat(4) for _ in range(2)]
+    inner = torch.empty(0, dtype=torch.uint8).set_(slabs[1].untyped_storage(), 512, (256,), (1,))
+    wide = torch.arange(256, dtype=torch.float16)
+    buffers = []
+    for _ in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(["slab", "inner", "before", "wide", "own"]))
+        start, n = draw(st.integers(0, 200)), draw(st.integers(1, 56))
+        if kind == "slab":
+            buffers.append(slabs[draw(st.integers(0, 1))][start : start + n])
+        elif kind == "inner":
+            buffers.append(inner[start : start + n])
+        elif kind == "before":  # a view of `inner` that starts before `inner` does
+            buffers.append(inner.as_strided((n,), (1,), draw(st.integers(0, 511))))
+        elif kind == "wide":
+            buffers.append(wide.view(torch.uint8)[start : start + n])
+        else:
+            buffers.append(torch.arange(n, dtype=torch.uint8))
+    return buffers
+
+
+@settings(max_examples=200, deadline=None)
+@given(buffers=host_buffers())
+def test_the_bytes_of_each_buffer_are_its_own_and_writable(buffers: list[torch.Tensor]) -> None:
+    """Randomized: whether a buffer's bytes come sliced from its base's or on their own,
+    they are exactly the buffer's, and writing them writes the buffer."""
+    views = bytes_of_each(buffers)
+    assert len(views) == len(buffers)
+    for buffer, view in zip(buffers, views, strict=True):
+        assert bytes(view) == buffer.numpy().tobytes()
+        view[0] = (view[0] + 1) % 256
+        assert int(buffer[0]) == view[0]

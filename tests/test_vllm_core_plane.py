@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -127,10 +128,10 @@ def test_a_promotion_past_its_deadline_fails_and_lets_go_of_the_slot(tmp_path: P
     reading = threading.Event()
 
     class StuckNvme(NvmeTier):
-        def _read_one(self, op: object) -> None:
+        def _read_one(self, op: Any, data: memoryview) -> None:
             reading.set()
             release.wait(30)
-            super()._read_one(op)  # type: ignore[arg-type]
+            super()._read_one(op, data)
 
     TIERS.register("nvme", StuckNvme)
     try:

@@ -341,9 +341,9 @@ def test_a_promotion_past_its_deadline_is_a_miss_for_the_request(engines: Any, t
     release = threading.Event()
 
     class StuckNvme(NvmeTier):
-        def _read_one(self, op: Any) -> None:
+        def _read_one(self, op: Any, data: memoryview) -> None:
             release.wait(30)
-            super()._read_one(op)
+            super()._read_one(op, data)
 
     now = [0.0]
     TIERS.register("nvme", StuckNvme)
@@ -369,9 +369,9 @@ def test_a_request_waiting_for_a_promotion_step_after_step_is_remembered_once(en
     release = threading.Event()
 
     class StuckNvme(NvmeTier):
-        def _read_one(self, op: Any) -> None:
+        def _read_one(self, op: Any, data: memoryview) -> None:
             release.wait(30)
-            super()._read_one(op)
+            super()._read_one(op, data)
 
     TIERS.register("nvme", StuckNvme)
     try:
@@ -395,7 +395,7 @@ def test_a_request_waiting_for_a_promotion_step_after_step_is_remembered_once(en
 
 def test_a_promotion_that_fails_is_a_miss_for_the_request_not_a_retry_forever(engines: Any) -> None:
     class FailingNvme(NvmeTier):
-        def _read_one(self, op: Any) -> None:
+        def _read_one(self, op: Any, data: memoryview) -> None:
             raise TierIOError("reading: injected", tier="nvme")
 
     TIERS.register("nvme", FailingNvme)

@@ -425,6 +425,39 @@ def bytes_of(buffer: torch.Tensor) -> memoryview:
     return buffer.numpy().data.cast("B")
 
 
+def bytes_of_each(buffers: Iterable[torch.Tensor]) -> list[memoryview]:
+    """:func:`bytes_of` of each of ``buffers`` (each checked as :func:`check_buffer` does).
+
+    For a worker thread: buffers that are views of one contiguous ``uint8`` base tensor (a
+    cpu tier's slot views) become slices of one view of the base's bytes. Each ``numpy()``
+    gives up the interpreter lock, and a worker thread that gives it up while the event
+    loop runs waits for the loop's next turn to have it back: a view per buffer made a
+    write of 32 chunks wait for the loop up to 32 times.
+    """
+    views: list[memoryview] = []
+    last_base: torch.Tensor | None = None
+    whole, start = memoryview(b""), 0
+    for buffer in buffers:
+        base = buffer._base
+        if base is not None and base is not last_base:
+            last_base = base
+            whole, start = _bytes_of_base(base)
+        at = buffer.data_ptr() - start
+        n = buffer.numel()
+        views.append(whole[at : at + n] if base is not None and 0 <= at <= len(whole) - n else bytes_of(buffer))
+    return views
+
+
+def _bytes_of_base(base: torch.Tensor) -> tuple[memoryview, int]:
+    """A base tensor's bytes and their address; none where it is not contiguous ``uint8``
+    on the CPU (its views then take :func:`bytes_of` each)."""
+    import torch
+
+    if base.dtype is not torch.uint8 or not base.is_cpu or not base.is_contiguous():
+        return memoryview(b""), 0
+    return bytes_of(base.view(-1)), base.data_ptr()
+
+
 def check_slots(ops: Sequence[TransferOp], num_slots: int) -> None:
     """Every op names a slot of the tier, and no two ops of a batch name the same one."""
     slots = [op.slot for op in ops]

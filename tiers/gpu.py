@@ -62,6 +62,11 @@ class _Segment(NamedTuple):
     piece: int
     #: Where the segment's first tensor's section starts in a chunk buffer.
     offset: int
+    #: ``cache``'s strides (bytes from one tensor to the next, from one block to the next)
+    #: and offset in its storage: a run's view is one ``as_strided`` of them.
+    spacing: int
+    block_stride: int
+    start: int
 
 
 class _Rows(NamedTuple):
@@ -107,7 +112,7 @@ def _segments(rows: list[_Rows], blocks_per_chunk: int, num_blocks: int, device:
         spacing = group[1].start - first.start if len(group) > 1 else first.piece
         flat = torch.empty(0, dtype=torch.uint8, device=device).set_(first.storage)
         cache = flat.as_strided((len(group), num_blocks, first.piece), (spacing, first.stride, 1), first.start)
-        segments.append(_Segment(cache, first.piece, offset))
+        segments.append(_Segment(cache, first.piece, offset, spacing, first.stride, first.start))
         offset += len(group) * first.piece * blocks_per_chunk
     return segments
 
@@ -139,23 +144,38 @@ class _Stretch(NamedTuple):
 
 def _stretches(ops: Sequence[TransferOp], chunk_bytes: int) -> list[_Stretch]:
     """Ops grouped into stretches, in order. Engines allocate blocks, and the cpu tier
-    slots, mostly in order, so a job of many chunks is usually one stretch."""
+    slots, mostly in order, so a job of many chunks is usually one stretch. A few tensor
+    calls per op: this runs in a worker thread, holding the interpreter lock."""
     stretches: list[_Stretch] = []
+    first: TransferOp | None = None
+    m = stride = start = 0
+    blocks: list[int] = []
     for op in ops:
-        if stretches:
-            first, m, stride, blocks = stretches[-1]
-            step = op.buffer.storage_offset() - first.buffer.storage_offset()
+        buffer = op.buffer
+        if first is not None:
+            step = buffer.data_ptr() - start  # bytes: the buffers are uint8
             if (
                 len(op.blocks) == len(first.blocks)
                 and op.first_block == first.first_block
-                and op.buffer.untyped_storage().data_ptr() == first.buffer.untyped_storage().data_ptr()
                 and (step == m * stride if m > 1 else step >= chunk_bytes)
+                and _one_allocation(buffer, first.buffer)
             ):
                 blocks += op.blocks
-                stretches[-1] = _Stretch(first, m + 1, step // m, blocks)
+                stride = step // m
+                m += 1
                 continue
-        stretches.append(_Stretch(op, 1, chunk_bytes, list(op.blocks)))
+            stretches.append(_Stretch(first, m, stride, blocks))
+        first, m, stride, start, blocks = op, 1, chunk_bytes, buffer.data_ptr(), list(op.blocks)
+    if first is not None:
+        stretches.append(_Stretch(first, m, stride, blocks))
     return stretches
+
+
+def _one_allocation(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two host buffers are views of one storage. The cpu tier's slot views share
+    their base tensor, which is the cheaper question."""
+    base = a._base
+    return (base is not None and base is b._base) or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 #: Element types by width, widest first, for moving bytes in larger units.
@@ -301,7 +321,15 @@ class GpuTier(DriverBase):
                                 base + i * stride + seg.offset + position * piece,
                             )
                         )
-                        caches.append(seg.cache[:, block : block + length].view(count, rows_of, width, piece))
+                        # One tensor call per view: each gives up the interpreter lock,
+                        # and this thread waits for the event loop's next turn to get it back.
+                        caches.append(
+                            seg.cache.as_strided(
+                                (count, rows_of, width, piece),
+                                (seg.spacing, width * seg.block_stride, seg.block_stride, 1),
+                                seg.start + block * seg.block_stride,
+                            )
+                        )
         if not hosts:
             return
         if to_host:

@@ -63,7 +63,7 @@ from tiered_kv.namespace import Namespace
 from tiered_kv.tiers._driver import (
     PAGE,
     WorkerPool,
-    bytes_of,
+    bytes_of_each,
     check_buffer,
     check_slots,
     in_threads,
@@ -543,45 +543,44 @@ class NvmeTier(DriverBase):
         page-aligned memory of whole pages)."""
         return self.direct and (op.buffer.data_ptr() % PAGE != 0 or op.buffer.numel() % PAGE != 0)
 
-    def _staging(self, op: TransferOp, lane: _Lane) -> tuple[memoryview, memoryview]:
-        """A staged op's memory for the disk (its payload padded for ``O_DIRECT``, in the
-        lane's staging buffer) and the caller's bytes."""
-        data = bytes_of(op.buffer)
-        return lane.staged(round_up(len(data)), self.slot_stride - HEADER_BYTES), data
+    def _staging(self, data: memoryview, lane: _Lane) -> memoryview:
+        """A staged op's memory for the disk: room for its payload ``data``, padded for
+        ``O_DIRECT``, in the lane's staging buffer."""
+        return lane.staged(round_up(len(data)), self.slot_stride - HEADER_BYTES)
 
     def _write_run(self, ops: Sequence[TransferOp]) -> None:
         """Write ``ops``, each run of consecutive slots in one ``pwritev`` (a staged op alone)."""
-        group: list[TransferOp] = []
-        for op in sorted(ops, key=_slot_of):
+        ops = sorted(ops, key=_slot_of)
+        group: list[tuple[TransferOp, memoryview]] = []
+        for op, data in zip(ops, bytes_of_each(op.buffer for op in ops), strict=True):
             staged = self._staged(op)
-            if group and (staged or op.slot != group[-1].slot + 1 or len(group) == COALESCE_OPS):
+            if group and (staged or op.slot != group[-1][0].slot + 1 or len(group) == COALESCE_OPS):
                 self._write_slots(group, staged=False)
                 group = []
             if staged:
-                self._write_slots([op], staged=True)
+                self._write_slots([(op, data)], staged=True)
             else:
-                group.append(op)
+                group.append((op, data))
         if group:
             self._write_slots(group, staged=False)
 
-    def _write_slots(self, ops: list[TransferOp], *, staged: bool) -> None:
-        """Header and payload of each op, for consecutive slots, in one ``pwritev``; a
-        chunk shorter than a slot is followed by zeros up to the next slot. ``staged``:
-        one op, whose bytes go through the lane's staging buffer."""
+    def _write_slots(self, ops: list[tuple[TransferOp, memoryview]], *, staged: bool) -> None:
+        """Header and payload of each op (with its buffer's bytes), for consecutive slots,
+        in one ``pwritev``; a chunk shorter than a slot is followed by zeros up to the next
+        slot. ``staged``: one op, whose bytes go through the lane's staging buffer."""
         lane = self._lanes
         payload_room = self.slot_stride - HEADER_BYTES
         headers, fingerprint = lane.headers, self._fingerprint
         iov: list[memoryview] = []
         last = len(ops) - 1
-        for i, op in enumerate(ops):
+        for i, (op, data) in enumerate(ops):
+            n = len(data)
             if staged:
-                payload, data = self._staging(op, lane)
-                n = len(data)
+                payload = self._staging(data, lane)
                 payload[:n] = data
                 payload[n:] = bytes(len(payload) - n)
             else:
-                payload = data = bytes_of(op.buffer)
-                n = len(data)
+                payload = data
             header = pack_header(
                 fingerprint=fingerprint, slot=op.slot, key=op.key, length=n, checksum=payload_checksum(data)
             )
@@ -590,22 +589,23 @@ class NvmeTier(DriverBase):
             iov += [headers[at : at + HEADER_BYTES], payload]
             if i < last and len(payload) < payload_room:
                 iov.append(lane.padding(payload_room - len(payload), payload_room))
-        first = ops[0].slot
+        first, final = ops[0][0].slot, ops[-1][0].slot
         try:
             done = os.pwritev(self._fd, iov, first * self.slot_stride)
         except OSError as exc:
-            raise tier_error(self.name, f"writing slots {first} to {ops[-1].slot}", exc) from exc
+            raise tier_error(self.name, f"writing slots {first} to {final}", exc) from exc
         if done != sum(len(part) for part in iov):
-            raise TierIOError(f"short write to slots {first} to {ops[-1].slot}: {done} bytes", tier=self.name)
+            raise TierIOError(f"short write to slots {first} to {final}: {done} bytes", tier=self.name)
 
     def _read_run(self, ops: Sequence[TransferOp]) -> None:
-        for op in ops:
-            self._read_one(op)
+        for op, data in zip(ops, bytes_of_each(op.buffer for op in ops), strict=True):
+            self._read_one(op, data)
 
-    def _read_one(self, op: TransferOp) -> None:
+    def _read_one(self, op: TransferOp, data: memoryview) -> None:
+        """Read ``op``'s slot into ``data``, its buffer's bytes, and verify it."""
         lane = self._lanes
-        payload, user = self._staging(op, lane) if self._staged(op) else (bytes_of(op.buffer), None)
-        n = op.buffer.numel()
+        payload, user = (self._staging(data, lane), data) if self._staged(op) else (data, None)
+        n = len(data)
         try:
             done = os.preadv(self._fd, [lane.header, payload], op.slot * self.slot_stride)
         except OSError as exc:
