@@ -11,7 +11,7 @@ import re
 import stat
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +19,18 @@ import msgspec
 import pytest
 import torch
 from conftest import make_namespace, run_with_output_closed
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from nvme_snapshot import crash_copy
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
 from tiered_kv.cli import main
-from tiered_kv.errors import UnsafeStore
+from tiered_kv.errors import CorruptChunk, UnsafeStore
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.registry import TIERS
+from tiered_kv.tiers import nvme_inspect
 from tiered_kv.tiers.nvme import NvmeTier
-from tiered_kv.tiers.nvme_format import HEADER_BYTES
+from tiered_kv.tiers.nvme_format import HEADER_BYTES, slot_faults
 from tiered_kv.tiers.nvme_journal import Identity, encode_checkpoint, encode_frame, write_record
 
 SLOT = 3 * 4096
@@ -188,8 +191,18 @@ DAMAGES = {
     "header field flipped": (lambda root: flip_byte(root, 0, 30), 0, "slot 0: header checksum mismatch"),
     "misdirected write": (copy_slot_0_to_2, 2, "slot 2: header written for slot 0"),
     "journal lists another key": (list_another_key_for_slot_0, 0, "slot 0 holds another chunk"),
-    "slots file truncated": (
+    "slots file cut in a payload": (
         lambda root: os.truncate(store_dir(root) / "g0.slots", 2 * STRIDE + HEADER_BYTES + 100),
+        2,
+        f"slot 2 is cut short (100 of {SLOT} payload bytes)",
+    ),
+    "slots file cut in a header": (
+        lambda root: os.truncate(store_dir(root) / "g0.slots", 2 * STRIDE + 100),
+        2,
+        "slot 2 is cut short (no whole header)",
+    ),
+    "slots file cut before a slot": (
+        lambda root: os.truncate(store_dir(root) / "g0.slots", 2 * STRIDE),
         2,
         "slot 2: outside the slots file's 2 slots",
     ),
@@ -238,12 +251,96 @@ def test_a_key_listed_inside_and_past_the_slots_files_end_is_one_chunk_served_fr
     assert group["chunks"] == 3
 
 
+def short_payload(slot: int, length: int) -> torch.Tensor:
+    """A chunk of ``length`` bytes (a slot holds up to ``SLOT``) whose last byte is not 0:
+    a cut that takes only zeros from the end of a payload would leave a slot whose read,
+    after a reopen fills the file out with zeros, gives the chunk back."""
+    chunk = payload(0, slot)[:length].clone()
+    chunk[-1] = 1 + slot
+    return chunk
+
+
+async def write_short_chunks(root: Path, lengths: list[int]) -> Path:
+    """Group 0 of a store under ``root`` holding a chunk of ``lengths[s]`` bytes in each
+    slot ``s``; its slots file."""
+    tier = await open_group(root, 0)
+    await tier.write([TransferOp(buffer=short_payload(s, n), key=key(0, s), slot=s) for s, n in enumerate(lengths)])
+    await tier.close()
+    return store_dir(root) / "g0.slots"
+
+
+async def served(root: Path, lengths: list[int]) -> set[int]:
+    """The slots of group 0 that a reopen serves its chunk from, read back byte for byte."""
+    tier = await open_group(root, 0)
+    try:
+        recovered = dict(tier.recovered().items())
+        found = set()
+        for s, n in enumerate(lengths):
+            out = torch.zeros(n, dtype=torch.uint8)
+            assert recovered.get(key(0, s)) == s
+            try:
+                await tier.read([TransferOp(buffer=out, key=key(0, s), slot=s)])
+            except CorruptChunk:
+                continue
+            assert torch.equal(out, short_payload(s, n)), f"slot {s} served other bytes"
+            found.add(s)
+        return found
+    finally:
+        await tier.close()
+
+
+def verified_slots(root: Path, chunks: int) -> set[int]:
+    """The slots of group 0 that ``inspect --verify`` finds whole, of the ``chunks`` it lists."""
+    [store] = NvmeTier.inspect(root, verify=True).stores
+    [group] = [g for g in store.groups if g.group == 0]
+    assert group.chunks == chunks
+    return set(range(chunks)) - {bad.slot for bad in group.corrupt}
+
+
+async def test_a_slot_cut_short_of_its_padding_only_is_verified_as_a_reopen_serves_it(tmp_path: Path) -> None:
+    """Given a chunk shorter than its slot, last in a slots file cut after its payload but
+    before the end of its slot (a crash, a truncation): a reopen serves it, and inspect
+    verifies it (it once called it outside the slots file)."""
+    root = tmp_path / "nvme"
+    length = SLOT - 4096 - 100
+    slots_file = await write_short_chunks(root, [SLOT, SLOT, length])
+    os.truncate(slots_file, 2 * STRIDE + HEADER_BYTES + length)
+    [store] = NvmeTier.inspect(root, verify=True).stores
+    [group] = [g for g in store.groups if g.group == 0]
+    assert (group.slots, group.chunks, group.verified, group.corrupt) == (3, 3, 3, ())
+    assert await served(root, [SLOT, SLOT, length]) == {0, 1, 2}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, SLOT), min_size=1, max_size=SLOTS), data_=st.data())
+async def test_inspect_verifies_exactly_the_chunks_a_reopen_serves_from_a_slots_file_cut_anywhere(
+    tmp_path_factory: pytest.TempPathFactory, lengths: list[int], data_: st.DataObject
+) -> None:
+    """Chunks of random lengths, the slots file cut anywhere (often where a slot's header,
+    payload or padding ends): a chunk ``inspect --verify`` verifies is one a reopen
+    serves with its bytes, and every other one a miss; those are the chunks whose header
+    and payload lie before the cut."""
+    root = tmp_path_factory.mktemp("cut") / "nvme"
+    slots_file = await write_short_chunks(root, lengths)
+    slot = data_.draw(st.integers(0, len(lengths) - 1))
+    ends = [HEADER_BYTES, HEADER_BYTES + lengths[slot], STRIDE]
+    within = data_.draw(
+        st.one_of(st.integers(0, STRIDE), st.sampled_from(ends).map(lambda end: end - 1), st.sampled_from(ends))
+    )
+    cut = slot * STRIDE + within
+    os.truncate(slots_file, cut)
+    whole = {s for s, n in enumerate(lengths) if s * STRIDE + HEADER_BYTES + n <= cut}
+    assert verified_slots(root, len(lengths)) == whole
+    assert await served(root, lengths) == whole
+
+
 async def test_verify_checks_a_key_listed_for_two_slots_where_a_reopen_serves_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A chunk in slots 1 and 4, synced; slot 1 reused, its record lost to a crash: the
     reopen serves the chunk from slot 4, and ``--verify`` checks that one, finding
-    nothing corrupt (it once verified slot 1 and reported it)."""
+    nothing corrupt (it once verified slot 1 and reported it), each slot read once (the
+    check that chose slot 4 is its verification)."""
     tier = await open_group(tmp_path / "live", 0)
     chunk_key, chunk = key(0, 0), payload(0, 0)
     for slot in (1, 4):
@@ -252,10 +349,18 @@ async def test_verify_checks_a_key_listed_for_two_slots_where_a_reopen_serves_it
     await tier.write([TransferOp(buffer=payload(0, 9), key=key(0, 9), slot=1)])  # not committed
     copy = crash_copy(tier, tmp_path / "crashed")
     await tier.close()
+    read: list[int] = []
+
+    def counted(fd: int, pairs: Sequence[tuple[int, bytes]], **options: Any) -> list[str | None]:
+        read.extend(slot for slot, _ in pairs)
+        return slot_faults(fd, pairs, **options)
+
+    monkeypatch.setattr(nvme_inspect, "slot_faults", counted)
     code, report, document = inspect_cli(capsys, copy.parent, "--verify")
     [group] = [g for g in document["stores"][0]["groups"] if g["group"] == 0]
     assert code == 0 and group["corrupt"] == [] and damage_lines(report) == []
     assert (group["chunks"], group["verified"]) == (1, 1)
+    assert sorted(read) == [1, 4]
     reopened = await open_group(copy.parent, 0)
     assert reopened.recovered() == {chunk_key: 4}
     await reopened.close()

@@ -41,7 +41,8 @@ class GroupReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     layout: KVGroup | None
     #: Payload bytes a slot holds, from the slot map; None without a readable slot map.
     slot_bytes: int | None
-    #: Slots the slots file has room for; None when ``slot_bytes`` is unknown.
+    #: Slots the slots file holds a byte of (the last may be cut short); None when
+    #: ``slot_bytes`` is unknown.
     slots: int | None
     #: Chunks the slot map (checkpoint and journal) lists, as a reopen would restore them.
     chunks: int

@@ -42,7 +42,6 @@ from tiered_kv.tiers.nvme_format import (
     group_file,
     slot_faults,
     slot_stride,
-    slots_hold,
     store_groups,
 )
 from tiered_kv.tiers.nvme_journal import (
@@ -253,22 +252,23 @@ def _report_group(
             problems=tuple([*problems, *(files.problems if files is not None else ())]),
         )
     problems += files.problems
-    slots = file_bytes // slot_stride(files.slot_bytes)
+    # Every slot the file holds a byte of: one cut short (a crash, a truncation) may still
+    # hold its header and payload whole, all that a read needs (not the padding after
+    # them), and verify reads it as a read does.
+    slots = -(-file_bytes // slot_stride(files.slot_bytes))
     fingerprint = fingerprint or files.fingerprint
-    holding = (
-        functools.partial(
-            slots_hold, slots_fd, slot_bytes=files.slot_bytes, fingerprint=fingerprint, threads=VERIFY_THREADS
-        )
-        if verify
-        else every_slot_holds
-    )
+    faults: dict[int, str | None] = {}  # slot → why it does not hold its key, of the slots read
+    check = functools.partial(_check, slots_fd, files.slot_bytes, fingerprint, faults)
     # A key listed for several slots is served from the slot a reopen would serve it from.
-    listed, _ = serve_one_slot_per_key(replay(files.records, slots), holding)
+    listed, _ = serve_one_slot_per_key(replay(files.records, slots), check if verify else every_slot_holds)
     outside = _outside(files.records, slots, listed)
     corrupt = {slot: f"slot {slot}: outside the slots file's {slots} slots" for slot in outside}
+    keys = dict(zip(listed.slots.tolist(), listed.keys.tolist(), strict=True))
     if verify:
-        corrupt |= _verify(slots_fd, listed, files.slot_bytes, fingerprint)
-    keys = dict(zip(listed.slots.tolist(), listed.keys.tolist(), strict=True)) | outside
+        unread = [slot for slot in keys if slot not in faults]  # choosing a key's slot read some already
+        check(unread, [keys[slot] for slot in unread])
+        corrupt |= {slot: fault for slot in keys if (fault := faults[slot]) is not None}
+    keys |= outside
     chunks = len(listed.slots) + len(outside)
     return GroupReport(
         group=group,
@@ -297,11 +297,15 @@ def _outside(records: np.ndarray, slots: int, listed: SlotMap) -> dict[int, byte
     return outside
 
 
-def _verify(fd: int, listed: SlotMap, slot_bytes: int, fingerprint: bytes) -> dict[int, str]:
-    """Slot → why, for each listed chunk that fails verification, read in parallel."""
-    entries = list(zip(listed.slots.tolist(), listed.keys.tolist(), strict=True))
-    runs = split(entries, VERIFY_THREADS)
-    faults = functools.partial(slot_faults, fd, slot_bytes=slot_bytes, fingerprint=fingerprint)
+def _check(
+    fd: int, slot_bytes: int, fingerprint: bytes, faults: dict[int, str | None], slots: list[int], keys: list[bytes]
+) -> list[bool]:
+    """Whether each slot holds its key, checked as a read checks it (:func:`slot_faults`),
+    ``VERIFY_THREADS`` at a time: a :data:`Holding`, which notes in ``faults`` why each
+    slot fails (None: it holds its key), so that no slot is read twice."""
+    runs = split(list(zip(slots, keys, strict=True)), VERIFY_THREADS)
+    check = functools.partial(slot_faults, fd, slot_bytes=slot_bytes, fingerprint=fingerprint)
     with ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="tiered-kv-inspect") as pool:
-        found = [fault for run_faults in pool.map(faults, runs) for fault in run_faults]
-    return {slot: fault for (slot, _), fault in zip(entries, found, strict=True) if fault is not None}
+        found = [fault for run_faults in pool.map(check, runs) for fault in run_faults]
+    faults.update(zip(slots, found, strict=True))
+    return [fault is None for fault in found]
