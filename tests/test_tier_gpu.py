@@ -528,3 +528,19 @@ def test_ops_form_a_stretch_exactly_when_alike_and_at_equal_steps_in_one_storage
         assert stretch.blocks == [block for op in group for block in op.blocks]
         if len(group) > 1:
             assert stretch.stride == group[1].buffer.storage_offset() - group[0].buffer.storage_offset()
+
+
+async def test_a_buffer_given_other_memory_is_not_taken_for_a_view_of_its_old_base() -> None:
+    """A view given other memory (``set_``) keeps its base tensor: ops are one stretch only
+    if their buffers lie in one storage, whatever base they were cut from."""
+    cache = torch.arange(8 * 64, dtype=torch.uint8).reshape(8, 64)
+    tier = GpuTier([cache], blocks_per_chunk=1)
+    # The other memory above the slab: a step of at least a chunk, as a stretch asks.
+    slab, other = sorted((torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(2)), key=torch.Tensor.data_ptr)
+    moved = slab[64:128]
+    moved.set_(other.untyped_storage(), 0, (64,), (1,))
+    ops = [TransferOp(buffer=slab[0:64], blocks=(1,)), TransferOp(buffer=moved, blocks=(2,))]
+    assert [s.size for s in _stretches(ops, tier.chunk_bytes)] == [1, 1]
+    await tier.read(ops)
+    assert torch.equal(ops[0].buffer, cache[1]) and torch.equal(other[:64], cache[2])
+    await tier.close()

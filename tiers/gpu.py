@@ -148,7 +148,7 @@ def _stretches(ops: Sequence[TransferOp], chunk_bytes: int) -> list[_Stretch]:
     calls per op: this runs in a worker thread, holding the interpreter lock."""
     stretches: list[_Stretch] = []
     first: TransferOp | None = None
-    m = stride = start = 0
+    m = stride = start = storage = 0
     blocks: list[int] = []
     for op in ops:
         buffer = op.buffer
@@ -158,24 +158,18 @@ def _stretches(ops: Sequence[TransferOp], chunk_bytes: int) -> list[_Stretch]:
                 len(op.blocks) == len(first.blocks)
                 and op.first_block == first.first_block
                 and (step == m * stride if m > 1 else step >= chunk_bytes)
-                and _one_allocation(buffer, first.buffer)
+                and buffer.untyped_storage().data_ptr() == storage
             ):
                 blocks += op.blocks
                 stride = step // m
                 m += 1
                 continue
             stretches.append(_Stretch(first, m, stride, blocks))
-        first, m, stride, start, blocks = op, 1, chunk_bytes, buffer.data_ptr(), list(op.blocks)
+        first, m, stride, blocks = op, 1, chunk_bytes, list(op.blocks)
+        start, storage = buffer.data_ptr(), buffer.untyped_storage().data_ptr()
     if first is not None:
         stretches.append(_Stretch(first, m, stride, blocks))
     return stretches
-
-
-def _one_allocation(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two host buffers are views of one storage. The cpu tier's slot views share
-    their base tensor, which is the cheaper question."""
-    base = a._base
-    return (base is not None and base is b._base) or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 #: Element types by width, widest first, for moving bytes in larger units.
