@@ -728,3 +728,17 @@ async def test_a_batch_of_views_of_one_slab_takes_the_bytes_of_the_slab_once(
     for slot, view in enumerate(views):
         assert torch.equal(view, data(slot))
     await tier.close()
+
+
+async def test_a_negated_view_is_refused_as_a_buffer(tmp_path: Path) -> None:
+    """A buffer's memory is what moves: a negated view (values that are not its bytes)
+    would store the bytes under it and read back their negation. It is refused before
+    anything moves, as numpy() refused it in a worker thread once."""
+    tier = await open_store(tmp_path)
+    negated = torch._neg_view(data(0))
+    with pytest.raises(ValueError, match="negated"):
+        await tier.write([op(0, negated)])
+    with pytest.raises(ValueError, match="negated"):
+        await tier.read([op(0, negated)])
+    assert tier.statistics().writes == 0
+    await tier.close()

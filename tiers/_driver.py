@@ -405,7 +405,8 @@ def tier_error(tier: str, what: str, exc: BaseException) -> TierError:
 
 
 def check_buffer(buffer: torch.Tensor, *, max_bytes: int, exact: bool = False) -> int:
-    """Bytes of a host buffer that is 1-D, contiguous, ``uint8`` and on the CPU."""
+    """Bytes of a host buffer that is 1-D, contiguous, ``uint8`` and on the CPU, and whose
+    values are its bytes (not a negated view: the drivers move its memory as it is)."""
     import torch
 
     if buffer.dtype is not torch.uint8 or not buffer.is_cpu or buffer.ndim != 1 or not buffer.is_contiguous():
@@ -413,6 +414,8 @@ def check_buffer(buffer: torch.Tensor, *, max_bytes: int, exact: bool = False) -
             f"a host buffer is a 1-D contiguous uint8 CPU tensor, got {buffer.dtype} "
             f"{list(buffer.shape)} on {buffer.device}"
         )
+    if buffer.is_neg():
+        raise ValueError("a host buffer's values are its bytes: this one is a negated view")
     nbytes = buffer.numel()
     if nbytes > max_bytes or (exact and nbytes != max_bytes) or nbytes == 0:
         wanted = f"exactly {max_bytes}" if exact else f"1 to {max_bytes}"
