@@ -13,6 +13,7 @@ import stat
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from structlog.testing import capture_logs
 from tiered_kv.errors import ChunkKeyError, CorruptChunk, CorruptStore, TierError, TierFullError, TierIOError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.namespace import Namespace
+from tiered_kv.tiers import nvme
 from tiered_kv.tiers.nvme import NvmeTier
 from tiered_kv.tiers.nvme_format import HEADER_BYTES, decode_namespace, encode_namespace
 from tiered_kv.zeroed import mapped_bytes
@@ -318,20 +320,44 @@ async def test_buffered_io_where_o_direct_opens_but_fails_at_the_first_io(
     await tier.close()
 
 
+def pwritev_replaced(monkeypatch: pytest.MonkeyPatch, packing: str, write: Callable[..., int]) -> None:
+    """Make ``write(fd, iov, offset, real)`` the nvme driver's ``pwritev``, ``real`` the
+    call it replaces: Python's (for every write with ``packing`` "python", for staged
+    ones with "c"), or the C run's, whose ``iov`` are its payloads."""
+    real_pwritev = os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda fd, iov, offset: write(fd, iov, offset, real_pwritev))
+    if packing == "python":
+        monkeypatch.setattr(nvme, "PACKED_IN_C", False)
+        return
+    assert nvme.PACKED_IN_C, "the xxhash package's module exports XXH3"
+    real_run = nvme.write_run
+
+    def run(fd: int, offset: int, headers: Any, payloads: Any, keys: Any, *rest: Any) -> tuple[int, int]:
+        def real(fd: int, payloads: Any, offset: int) -> tuple[int, int]:
+            return real_run(fd, offset, headers, payloads, keys[: len(payloads)], *rest)
+
+        return write(fd, payloads, offset, real)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(nvme, "write_run", run)
+
+
+PACKINGS = pytest.mark.parametrize("packing", ["c", "python"])
+
+
+@PACKINGS
 @pytest.mark.parametrize(("code", "error"), [(errno.ENOSPC, TierFullError), (errno.EIO, TierIOError)])
 async def test_a_failed_write_is_typed_and_leaves_its_batch_unreadable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, error: type[Exception]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, error: type[Exception], packing: str
 ) -> None:
     tier = await open_store(tmp_path)
     await fill(tier, range(3))
-    real_pwritev = os.pwritev
 
-    def fail_slot_1(fd: int, buffers: Any, offset: int) -> int:
+    def fail_slot_1(fd: int, iov: Any, offset: int, real: Callable[..., Any]) -> Any:
         if offset == tier.slot_stride:
             raise OSError(code, os.strerror(code))
-        return real_pwritev(fd, buffers, offset)
+        return real(fd, iov, offset)
 
-    monkeypatch.setattr(os, "pwritev", fail_slot_1)
+    pwritev_replaced(monkeypatch, packing, fail_slot_1)
     with pytest.raises(error) as caught:
         await tier.write([op(s, data(s, 1), 1) for s in range(3)])
     assert isinstance(caught.value.__cause__, OSError)
@@ -514,22 +540,24 @@ async def test_concurrent_writes_are_all_recovered_after_a_clean_close(tmp_path:
     await tier.close()
 
 
+@PACKINGS
 @pytest.mark.parametrize("seed", range(6))
-async def test_random_concurrent_writes_and_forgets_reopen_as_the_model_says(tmp_path: Path, seed: int) -> None:
+async def test_random_concurrent_writes_and_forgets_reopen_as_the_model_says(
+    tmp_path: Path, seed: int, packing: str
+) -> None:
     """Seeded: overlapping batches of writes (random latency in the I/O threads) and
     forgets, then close and reopen: exactly the chunks the model says are kept."""
     rng = random.Random(seed)
     tier = await open_store(tmp_path, io_depth=4)
-    real_pwritev = os.pwritev
 
-    def slow_pwritev(fd: int, buffers: Any, offset: int) -> int:
+    def slow_pwritev(fd: int, iov: Any, offset: int, real: Callable[..., Any]) -> Any:
         time.sleep(rng.uniform(0, 0.003))
-        return real_pwritev(fd, buffers, offset)
+        return real(fd, iov, offset)
 
     model: dict[int, int] = {}
     version = 0
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(os, "pwritev", slow_pwritev)
+        pwritev_replaced(patch, packing, slow_pwritev)
         for _ in range(rng.randint(1, 6)):
             free = [s for s in range(SLOTS) if s not in model]
             if free and rng.random() < 0.7:
@@ -608,23 +636,24 @@ async def test_consecutive_slots_written_in_one_call_come_back_whole(tmp_path: P
     await tier.close()
 
 
+@PACKINGS
 async def test_a_failed_write_of_consecutive_slots_leaves_the_whole_batch_unreadable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, packing: str
 ) -> None:
     tier = await open_store(tmp_path)
     await tier.write([op(s, aligned(SLOT, data(s))) for s in range(4)])
-    real_pwritev = os.pwritev
     calls = []
 
-    def tear(fd: int, buffers: Any, offset: int) -> int:
-        calls.append(len(buffers))
-        real_pwritev(fd, buffers[:3], offset)  # the first slot and the next header land
+    def tear(fd: int, iov: Any, offset: int, real: Callable[..., Any]) -> Any:
+        calls.append(len(iov))
+        # The first slot lands (and, in Python, the next header too).
+        real(fd, iov[:3] if packing == "python" else iov[:1], offset)
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(os, "pwritev", tear)
+    pwritev_replaced(monkeypatch, packing, tear)
     with pytest.raises(TierIOError, match="writing slots 0 to 3"):
         await tier.write([op(s, aligned(SLOT, data(s, 1)), 1) for s in range(4)])
-    assert calls == [8], "four consecutive slots, one call"
+    assert calls == [8 if packing == "python" else 4], "four consecutive slots, one call"
     monkeypatch.undo()
     for s in range(4):
         for version in (0, 1):

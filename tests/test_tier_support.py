@@ -5,23 +5,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
+import mmap
+import os
 import random
 import subprocess
 import sys
 import threading
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiered_kv import _slotwrite
 from tiered_kv.errors import CorruptChunk
 from tiered_kv.tiers._driver import WorkerPool, bytes_of_each, in_threads, settle, split, thread_parts
 from tiered_kv.tiers.nvme_format import (
+    HEADER_BYTES,
     MAX_KEY_BYTES,
+    PACKED_IN_C,
     pack_header,
     payload_checksum,
     read_header,
@@ -420,3 +428,78 @@ def test_the_bytes_of_each_buffer_are_its_own_and_writable(buffers: list[torch.T
         assert bytes(view) == buffer.numpy().tobytes()
         view[0] = (view[0] + 1) % 256
         assert int(buffer[0]) == view[0]
+
+
+@st.composite
+def runs_of_slots(draw: st.DrawFn) -> dict[str, Any]:
+    room = draw(st.sampled_from([1, 100, 4096, 5000]))
+    n = draw(st.integers(1, 6))
+    return {
+        "room": room,
+        "payloads": [draw(st.binary(min_size=1, max_size=room)) for _ in range(n)],
+        "keys": [draw(st.binary(min_size=0, max_size=MAX_KEY_BYTES)) for _ in range(n)],
+        "first": draw(st.integers(0, 2**40)),
+        "fingerprint": draw(st.binary(min_size=32, max_size=32)),
+        "at": draw(st.integers(0, 3)) * 512,
+    }
+
+
+@pytest.mark.skipif(not PACKED_IN_C, reason="the xxhash package's module does not export XXH3")
+@settings(max_examples=150, deadline=None)
+@given(run=runs_of_slots())
+def test_a_run_written_in_c_is_the_bytes_python_packs(run: dict[str, Any], tmp_path_factory: Any) -> None:
+    """Randomized: each slot of a run packed and written in C is ``pack_header``'s header,
+    zeros to the end of its block, the payload and, but for the last, zeros to the end of
+    the slot; the run starts where it was asked to."""
+    room, payloads, keys = run["room"], run["payloads"], run["keys"]
+    headers = memoryview(mmap.mmap(-1, HEADER_BYTES * len(payloads)))
+    headers[:] = b"\xff" * len(headers)  # what earlier runs left
+    zeros = memoryview(bytes(room))
+    path = tmp_path_factory.mktemp("run") / "slots"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        views = [memoryview(payload) for payload in payloads]
+        done, asked = _slotwrite.write_run(
+            fd, run["at"], headers, views, keys, run["first"], run["fingerprint"], zeros, room
+        )
+    finally:
+        os.close(fd)
+    expected = b""
+    for i, (payload, key) in enumerate(zip(payloads, keys, strict=True)):
+        header = pack_header(
+            fingerprint=run["fingerprint"],
+            slot=run["first"] + i,
+            key=key,
+            length=len(payload),
+            checksum=payload_checksum(memoryview(payload)),
+        )
+        expected += header + bytes(HEADER_BYTES - len(header)) + payload
+        if i < len(payloads) - 1:
+            expected += bytes(room - len(payload))
+    assert done == asked == len(expected)
+    assert path.read_bytes() == bytes(run["at"]) + expected
+
+
+@pytest.mark.skipif(not PACKED_IN_C, reason="the xxhash package's module does not export XXH3")
+def test_a_run_in_c_refuses_what_is_not_a_run_of_slots(tmp_path: Path) -> None:
+    headers = memoryview(mmap.mmap(-1, 2 * HEADER_BYTES))
+    fingerprint, zeros = bytes(32), memoryview(bytes(64))
+    fd = os.open(tmp_path / "slots", os.O_RDWR | os.O_CREAT)
+    try:
+        payload = memoryview(bytes(64))
+        for bad in (
+            (fd, 0, headers, [], [], 0, fingerprint, zeros, 64),  # no slot
+            (fd, 0, headers, [payload], [b"k", b"k"], 0, fingerprint, zeros, 64),  # keys and payloads apart
+            (fd, 0, headers, [payload] * 3, [b"k"] * 3, 0, fingerprint, zeros, 64),  # headers too short
+            (fd, 0, headers, [payload], [b"k" * (MAX_KEY_BYTES + 1)], 0, fingerprint, zeros, 64),
+            (fd, 0, headers, [payload], [b"k"], 0, bytes(16), zeros, 64),  # not a fingerprint
+            (fd, 0, headers, [payload], [b"k"], 0, fingerprint, zeros, 32),  # longer than a slot
+            (fd, 0, headers, [payload], [b"k"], -1, fingerprint, zeros, 64),
+        ):
+            with pytest.raises(ValueError):
+                _slotwrite.write_run(*bad)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as caught:
+        _slotwrite.write_run(fd, 0, headers, [payload], [b"k"], 0, fingerprint, zeros, 64)  # closed
+    assert caught.value.errno == errno.EBADF

@@ -53,6 +53,7 @@ import msgspec
 import numpy as np
 
 from tiered_kv._keytable import KeyInts
+from tiered_kv._slotwrite import write_run
 from tiered_kv.driver_base import DriverBase
 from tiered_kv.errors import ChunkKeyError, CorruptChunk, CorruptStore, TierError, TierIOError
 from tiered_kv.inspection import Inspection
@@ -79,6 +80,7 @@ from tiered_kv.tiers.nvme_files import open_file, open_root, open_store_dir, rea
 from tiered_kv.tiers.nvme_format import (
     HEADER_BYTES,
     NAMESPACE_FILE,
+    PACKED_IN_C,
     decode_namespace,
     encode_namespace,
     group_file,
@@ -567,9 +569,14 @@ class NvmeTier(DriverBase):
     def _write_slots(self, ops: list[tuple[TransferOp, memoryview]], *, staged: bool) -> None:
         """Header and payload of each op (with its buffer's bytes), for consecutive slots,
         in one ``pwritev``; a chunk shorter than a slot is followed by zeros up to the next
-        slot. ``staged``: one op, whose bytes go through the lane's staging buffer."""
+        slot. ``staged``: one op, whose bytes go through the lane's staging buffer.
+        Unstaged, the headers are packed in C with the interpreter lock released, where
+        the xxhash package lets them be (:data:`PACKED_IN_C`)."""
         lane = self._lanes
         payload_room = self.slot_stride - HEADER_BYTES
+        if PACKED_IN_C and not staged:
+            self._write_packed_in_c(ops, lane, payload_room)
+            return
         headers, fingerprint = lane.headers, self._fingerprint
         iov: list[memoryview] = []
         last = len(ops) - 1
@@ -595,6 +602,25 @@ class NvmeTier(DriverBase):
         except OSError as exc:
             raise tier_error(self.name, f"writing slots {first} to {final}", exc) from exc
         if done != sum(len(part) for part in iov):
+            raise TierIOError(f"short write to slots {first} to {final}: {done} bytes", tier=self.name)
+
+    def _write_packed_in_c(self, ops: list[tuple[TransferOp, memoryview]], lane: _Lane, payload_room: int) -> None:
+        first, final = ops[0][0].slot, ops[-1][0].slot
+        try:
+            done, asked = write_run(
+                self._fd,
+                first * self.slot_stride,
+                lane.headers,
+                [data for _, data in ops],
+                [op.key for op, _ in ops],
+                first,
+                self._fingerprint,
+                lane.padding(payload_room, payload_room),
+                payload_room,
+            )
+        except OSError as exc:
+            raise tier_error(self.name, f"writing slots {first} to {final}", exc) from exc
+        if done != asked:
             raise TierIOError(f"short write to slots {first} to {final}: {done} bytes", tier=self.name)
 
     def _read_run(self, ops: Sequence[TransferOp]) -> None:

@@ -18,6 +18,7 @@ configuration that wrote it.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import mmap
 import os
 import re
@@ -29,6 +30,7 @@ from typing import Literal
 import msgspec
 import xxhash
 
+from tiered_kv import _slotwrite
 from tiered_kv.errors import CorruptChunk
 from tiered_kv.namespace import Namespace
 from tiered_kv.tiers._driver import round_up, split, thread_parts
@@ -50,6 +52,19 @@ _CHECK = struct.Struct("<Q")
 _TIER = "nvme"
 _GROUP_FILE = re.compile(r"g(\d+)\.(?:slots|checkpoint|journal)")
 GroupFile = Literal["slots", "checkpoint", "journal", "lock"]
+
+
+def _bind_slot_writes() -> bool:
+    """Whether a run of slots is packed and written in C with the interpreter lock
+    released (:func:`tiered_kv._slotwrite.write_run`, the same bytes as
+    :func:`pack_header`): the xxhash package's extension module, loaded by ``import
+    xxhash``, exports xxHash's XXH3 functions."""
+    spec = importlib.util.find_spec("xxhash._xxhash")
+    return spec is not None and spec.origin is not None and _slotwrite.bind(spec.origin, MAGIC, FORMAT_VERSION)
+
+
+#: Whether the nvme driver writes its runs of slots in C (see :func:`_bind_slot_writes`).
+PACKED_IN_C = _bind_slot_writes()
 
 
 def group_file(group: int, kind: GroupFile) -> str:
