@@ -36,6 +36,17 @@ SLOT = 3 * 4096
 SLOTS = 6
 
 
+@pytest.fixture(autouse=True, params=["c", "python"])
+def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test both ways: runs of slots packed and written in C, and in Python (what
+    the driver does where the xxhash package's module does not export XXH3)."""
+    if request.param == "python":
+        monkeypatch.setattr(nvme, "PACKED_IN_C", False)
+    else:
+        assert nvme.PACKED_IN_C, "the xxhash package's module exports XXH3"
+    return str(request.param)
+
+
 async def open_store(root: Path, namespace: Namespace | None = None, **options: Any) -> NvmeTier:
     settings: dict[str, Any] = {"slot_bytes": SLOT, "num_slots": SLOTS, "io_depth": 2} | options
     return await NvmeTier.open(root, namespace or make_namespace(), **settings)
@@ -327,9 +338,7 @@ def pwritev_replaced(monkeypatch: pytest.MonkeyPatch, packing: str, write: Calla
     real_pwritev = os.pwritev
     monkeypatch.setattr(os, "pwritev", lambda fd, iov, offset: write(fd, iov, offset, real_pwritev))
     if packing == "python":
-        monkeypatch.setattr(nvme, "PACKED_IN_C", False)
         return
-    assert nvme.PACKED_IN_C, "the xxhash package's module exports XXH3"
     real_run = nvme.write_run
 
     def run(fd: int, offset: int, headers: Any, payloads: Any, keys: Any, *rest: Any) -> tuple[int, int]:
@@ -341,10 +350,6 @@ def pwritev_replaced(monkeypatch: pytest.MonkeyPatch, packing: str, write: Calla
     monkeypatch.setattr(nvme, "write_run", run)
 
 
-PACKINGS = pytest.mark.parametrize("packing", ["c", "python"])
-
-
-@PACKINGS
 @pytest.mark.parametrize(("code", "error"), [(errno.ENOSPC, TierFullError), (errno.EIO, TierIOError)])
 async def test_a_failed_write_is_typed_and_leaves_its_batch_unreadable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, error: type[Exception], packing: str
@@ -540,7 +545,6 @@ async def test_concurrent_writes_are_all_recovered_after_a_clean_close(tmp_path:
     await tier.close()
 
 
-@PACKINGS
 @pytest.mark.parametrize("seed", range(6))
 async def test_random_concurrent_writes_and_forgets_reopen_as_the_model_says(
     tmp_path: Path, seed: int, packing: str
@@ -636,7 +640,6 @@ async def test_consecutive_slots_written_in_one_call_come_back_whole(tmp_path: P
     await tier.close()
 
 
-@PACKINGS
 async def test_a_failed_write_of_consecutive_slots_leaves_the_whole_batch_unreadable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, packing: str
 ) -> None:

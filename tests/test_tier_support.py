@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import errno
 import gc
+import importlib.util
 import mmap
 import os
 import random
@@ -27,7 +28,9 @@ from tiered_kv import _slotwrite
 from tiered_kv.errors import CorruptChunk
 from tiered_kv.tiers._driver import WorkerPool, bytes_of_each, in_threads, settle, split, thread_parts
 from tiered_kv.tiers.nvme_format import (
+    FORMAT_VERSION,
     HEADER_BYTES,
+    MAGIC,
     MAX_KEY_BYTES,
     PACKED_IN_C,
     pack_header,
@@ -438,7 +441,7 @@ def runs_of_slots(draw: st.DrawFn) -> dict[str, Any]:
         "room": room,
         "payloads": [draw(st.binary(min_size=1, max_size=room)) for _ in range(n)],
         "keys": [draw(st.binary(min_size=0, max_size=MAX_KEY_BYTES)) for _ in range(n)],
-        "first": draw(st.integers(0, 2**40)),
+        "first": draw(st.one_of(st.integers(0, 2**40), st.integers(2**63 - 6, 2**63 - 1))),
         "fingerprint": draw(st.binary(min_size=32, max_size=32)),
         "at": draw(st.integers(0, 3)) * 512,
     }
@@ -503,3 +506,22 @@ def test_a_run_in_c_refuses_what_is_not_a_run_of_slots(tmp_path: Path) -> None:
     with pytest.raises(OSError) as caught:
         _slotwrite.write_run(fd, 0, headers, [payload], [b"k"], 0, fingerprint, zeros, 64)  # closed
     assert caught.value.errno == errno.EBADF
+
+
+@pytest.mark.skipif(not PACKED_IN_C, reason="the xxhash package's module does not export XXH3")
+def test_a_bind_that_finds_no_xxhash_leaves_runs_unwritable_until_one_does(tmp_path: Path) -> None:
+    """A failed bind forgets the functions an earlier one found (and keeps its format):
+    nothing is written with hashes it did not find."""
+    spec = importlib.util.find_spec("xxhash._xxhash")
+    assert spec is not None and spec.origin is not None
+    args = (0, memoryview(mmap.mmap(-1, HEADER_BYTES)), [memoryview(b"x")], [b"k"], 0, bytes(32), memoryview(b"\0"), 1)
+    try:
+        assert not _slotwrite.bind(str(tmp_path / "no-such-library.so"), b"WRONGMAG", 9)
+        fd = os.open(tmp_path / "slots", os.O_RDWR | os.O_CREAT)
+        try:
+            with pytest.raises(RuntimeError, match="bind"):
+                _slotwrite.write_run(fd, *args)
+        finally:
+            os.close(fd)
+    finally:
+        assert _slotwrite.bind(spec.origin, MAGIC, FORMAT_VERSION)

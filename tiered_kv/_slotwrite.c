@@ -71,20 +71,25 @@ bind(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "bind() takes an 8-byte magic and a 16-bit version");
         return NULL;
     }
+    xxh3_64 = NULL;
+    xxh3_128 = NULL;
+    /* The module stays loaded (its package imported it): the handle is not closed. */
+    void *library = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    uint64_t (*found_64)(const void *, size_t) = NULL;
+    hash128 (*found_128)(const void *, size_t) = NULL;
+    if (library != NULL) {
+        found_64 = (uint64_t(*)(const void *, size_t))dlsym(library, "XXH3_64bits");
+        found_128 = (hash128(*)(const void *, size_t))dlsym(library, "XXH3_128bits");
+    }
+    if (found_64 == NULL || found_128 == NULL) {
+        PyBuffer_Release(&magic_arg);
+        Py_RETURN_FALSE;
+    }
     memcpy(magic, magic_arg.buf, MAGIC_BYTES);
     PyBuffer_Release(&magic_arg);
     version = (uint16_t)version_arg;
-    void *library = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
-    if (library == NULL)
-        Py_RETURN_FALSE;
-    /* The module stays loaded (its package imported it): the handle is not closed. */
-    xxh3_64 = (uint64_t(*)(const void *, size_t))dlsym(library, "XXH3_64bits");
-    xxh3_128 = (hash128(*)(const void *, size_t))dlsym(library, "XXH3_128bits");
-    if (xxh3_64 == NULL || xxh3_128 == NULL) {
-        xxh3_64 = NULL;
-        xxh3_128 = NULL;
-        Py_RETURN_FALSE;
-    }
+    xxh3_64 = found_64;
+    xxh3_128 = found_128;
     Py_RETURN_TRUE;
 }
 
@@ -133,6 +138,7 @@ write_run(PyObject *module, PyObject *args)
     PyObject *result = NULL;
     Py_ssize_t n = PyList_GET_SIZE(payloads), got = 0;
     Py_buffer *views = NULL;
+    PyObject **held = NULL; /* the keys, each a reference of this call's own */
     struct iovec *iov = NULL;
     if (n == 0 || n != PyList_GET_SIZE(keys) || n > IOV_MAX / 3 || headers.len < n * HEADER_BYTES ||
         fingerprint.len != FINGERPRINT_BYTES || padding.len < payload_room || first_slot < 0 || offset < 0) {
@@ -140,17 +146,24 @@ write_run(PyObject *module, PyObject *args)
         goto out;
     }
     views = PyMem_Calloc((size_t)n, sizeof(Py_buffer));
+    held = PyMem_Calloc((size_t)n, sizeof(PyObject *));
     iov = PyMem_Malloc(sizeof(struct iovec) * 3 * (size_t)n);
-    if (views == NULL || iov == NULL) {
+    if (views == NULL || held == NULL || iov == NULL) {
         PyErr_NoMemory();
         goto out;
     }
     for (; got < n; got++) {
+        if (got >= PyList_GET_SIZE(keys) || got >= PyList_GET_SIZE(payloads)) {
+            PyErr_SetString(PyExc_ValueError, "write_run(): the lists changed while it ran");
+            goto out;
+        }
         PyObject *key = PyList_GET_ITEM(keys, got);
         if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) > MAX_KEY_BYTES) {
             PyErr_SetString(PyExc_ValueError, "write_run(): a key that is not bytes a header holds");
             goto out;
         }
+        Py_INCREF(key);
+        held[got] = key;
         if (PyObject_GetBuffer(PyList_GET_ITEM(payloads, got), &views[got], PyBUF_SIMPLE) < 0)
             goto out;
         if (views[got].len > payload_room) {
@@ -165,12 +178,13 @@ write_run(PyObject *module, PyObject *args)
     int parts = 0;
     ssize_t written;
     int error = 0;
-    /* The keys' bytes stay put: the list holds them, and nothing else runs this call. */
+    /* Without the lock, only what this call holds: its references to the keys (bytes do
+     * not change), its buffers of the payloads, headers, fingerprint and padding. */
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
+        PyObject *key = held[i];
         unsigned char *at = block + i * HEADER_BYTES;
-        pack_header(at, (uint64_t)(first_slot + i), &views[i], PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key),
+        pack_header(at, (uint64_t)first_slot + (uint64_t)i, &views[i], PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key),
                     print);
         iov[parts++] = (struct iovec){at, HEADER_BYTES};
         iov[parts++] = (struct iovec){views[i].buf, (size_t)views[i].len};
@@ -180,7 +194,9 @@ write_run(PyObject *module, PyObject *args)
             asked += (size_t)(payload_room - views[i].len);
         }
     }
-    written = pwritev(fd, iov, parts, (off_t)offset);
+    do /* as os.pwritev does (PEP 475) */
+        written = pwritev(fd, iov, parts, (off_t)offset);
+    while (written < 0 && errno == EINTR);
     if (written < 0)
         error = errno;
     Py_END_ALLOW_THREADS
@@ -193,6 +209,9 @@ write_run(PyObject *module, PyObject *args)
 out:
     for (Py_ssize_t i = 0; i < got; i++)
         PyBuffer_Release(&views[i]);
+    for (Py_ssize_t i = 0; held != NULL && i < n; i++)
+        Py_XDECREF(held[i]);
+    PyMem_Free(held);
     PyMem_Free(views);
     PyMem_Free(iov);
     PyBuffer_Release(&headers);
