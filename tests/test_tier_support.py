@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from tiered_kv import _slotwrite
 from tiered_kv.errors import CorruptChunk
-from tiered_kv.tiers._driver import WorkerPool, bytes_of_each, in_threads, settle, split, thread_parts
+from tiered_kv.tiers._driver import WorkerPool, bytes_of_each, check_buffer, in_threads, settle, split, thread_parts
 from tiered_kv.tiers.nvme_format import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -525,3 +525,19 @@ def test_a_bind_that_finds_no_xxhash_leaves_runs_unwritable_until_one_does(tmp_p
             os.close(fd)
     finally:
         assert _slotwrite.bind(spec.origin, MAGIC, FORMAT_VERSION)
+
+
+def test_checking_a_host_buffer_asks_nothing_that_gives_up_the_interpreter_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The event loop checks every op's buffer. A tensor method that gives up the
+    interpreter lock (measured: ``is_neg()``, ``numpy()``, ``view``, ``as_strided``; not
+    the attributes and ``is_contiguous()``, ``numel()``) would hand it to a worker thread
+    waiting for it, and the loop would wait for that thread's Python."""
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a call that gives up the interpreter lock")
+
+    for method in ("is_neg", "numpy", "view", "as_strided", "contiguous"):
+        monkeypatch.setattr(torch.Tensor, method, refused)
+    assert check_buffer(torch.zeros(8192, dtype=torch.uint8)[4096:], max_bytes=4096, exact=True) == 4096

@@ -405,8 +405,9 @@ def tier_error(tier: str, what: str, exc: BaseException) -> TierError:
 
 
 def check_buffer(buffer: torch.Tensor, *, max_bytes: int, exact: bool = False) -> int:
-    """Bytes of a host buffer that is 1-D, contiguous, ``uint8`` and on the CPU, and whose
-    values are its bytes (not a negated view: the drivers move its memory as it is)."""
+    """Bytes of a host buffer that is 1-D, contiguous, ``uint8`` and on the CPU. On every
+    op of the event loop's calls: it asks nothing that gives up the interpreter lock
+    (``is_neg()`` does; :func:`bytes_of_each` asks it another way, in a worker thread)."""
     import torch
 
     if buffer.dtype is not torch.uint8 or not buffer.is_cpu or buffer.ndim != 1 or not buffer.is_contiguous():
@@ -414,8 +415,6 @@ def check_buffer(buffer: torch.Tensor, *, max_bytes: int, exact: bool = False) -
             f"a host buffer is a 1-D contiguous uint8 CPU tensor, got {buffer.dtype} "
             f"{list(buffer.shape)} on {buffer.device}"
         )
-    if buffer.is_neg():
-        raise ValueError("a host buffer's values are its bytes: this one is a negated view")
     nbytes = buffer.numel()
     if nbytes > max_bytes or (exact and nbytes != max_bytes) or nbytes == 0:
         wanted = f"exactly {max_bytes}" if exact else f"1 to {max_bytes}"
@@ -429,18 +428,24 @@ def bytes_of(buffer: torch.Tensor) -> memoryview:
 
 
 def bytes_of_each(buffers: Iterable[torch.Tensor]) -> list[memoryview]:
-    """:func:`bytes_of` of each of ``buffers`` (each checked as :func:`check_buffer` does).
+    """:func:`bytes_of` of each of ``buffers`` (each checked as :func:`check_buffer` does);
+    :class:`ValueError` for a negated view, whose values are not its bytes.
 
     For a worker thread: buffers that are views of one contiguous ``uint8`` base tensor (a
     cpu tier's slot views) become slices of one view of the base's bytes. Each ``numpy()``
     gives up the interpreter lock, and a worker thread that gives it up while the event
     loop runs waits for the loop's next turn to have it back: a view per buffer made a
-    write of 32 chunks wait for the loop up to 32 times.
+    write of 32 chunks wait for the loop up to 32 times. (So does ``Tensor.is_neg()``;
+    ``torch.is_neg`` does not.)
     """
+    import torch
+
     views: list[memoryview] = []
     last_base: torch.Tensor | None = None
     whole, start = memoryview(b""), 0
     for buffer in buffers:
+        if torch.is_neg(buffer):
+            raise ValueError("a host buffer's values are its bytes: this one is a negated view")
         base = buffer._base
         if base is not None and base is not last_base:
             last_base = base
