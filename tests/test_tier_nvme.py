@@ -777,3 +777,26 @@ async def test_a_negated_view_is_refused_as_a_buffer(tmp_path: Path) -> None:
     with pytest.raises(CorruptChunk):  # nor did the refused write leave a chunk
         await read_back(tier, 1)
     await tier.close()
+
+
+async def test_a_run_of_slots_is_cut_where_one_call_would_write_more_than_its_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, packing: str
+) -> None:
+    """Linux writes at most 2 GiB − 4 KiB in one ``pwritev``: a run of consecutive slots
+    goes in calls of at most ``COALESCE_BYTES`` (here two slots' worth), none short."""
+    tier = await open_store(tmp_path)
+    monkeypatch.setattr(nvme, "COALESCE_BYTES", 2 * tier.slot_stride + 1)
+    sizes = []
+
+    def counted(fd: int, iov: Any, offset: int, real: Callable[..., Any]) -> Any:
+        done = real(fd, iov, offset)
+        sizes.append(done[0] if isinstance(done, tuple) else done)
+        return done
+
+    pwritev_replaced(monkeypatch, packing, counted)
+    await tier.write([op(s, aligned(SLOT, data(s))) for s in range(5)])
+    assert sizes == [2 * tier.slot_stride, 2 * tier.slot_stride, HEADER_BYTES + SLOT]
+    monkeypatch.undo()
+    for s in range(5):
+        assert torch.equal(await read_back(tier, s), data(s))
+    await tier.close()

@@ -102,6 +102,9 @@ from tiered_kv.zeroed import zeroed
 
 #: Consecutive slots one ``pwritev`` writes at most (each takes two or three iovecs).
 COALESCE_OPS = 256
+#: Bytes of slots one ``pwritev`` writes at most: Linux writes at most 2 GiB − 4 KiB in
+#: one call and returns short, so a run of 256 slots of 8 MiB or more was a short write.
+COALESCE_BYTES = 1 << 30
 #: The default commit window: the most recent stores a crash may lose.
 COMMIT_WINDOW_S = 0.02
 #: A journal is folded into a checkpoint once it holds this many records, or as many
@@ -551,12 +554,14 @@ class NvmeTier(DriverBase):
         return lane.staged(round_up(len(data)), self.slot_stride - HEADER_BYTES)
 
     def _write_run(self, ops: Sequence[TransferOp]) -> None:
-        """Write ``ops``, each run of consecutive slots in one ``pwritev`` (a staged op alone)."""
+        """Write ``ops``, each run of consecutive slots in one ``pwritev`` (a staged op alone),
+        up to ``COALESCE_OPS`` slots and ``COALESCE_BYTES`` bytes a call."""
         ops = sorted(ops, key=_slot_of)
         group: list[tuple[TransferOp, memoryview]] = []
+        most = max(1, COALESCE_BYTES // self.slot_stride)
         for op, data in zip(ops, bytes_of_each(op.buffer for op in ops), strict=True):
             staged = self._staged(op)
-            if group and (staged or op.slot != group[-1][0].slot + 1 or len(group) == COALESCE_OPS):
+            if group and (staged or op.slot != group[-1][0].slot + 1 or len(group) in (COALESCE_OPS, most)):
                 self._write_slots(group, staged=False)
                 group = []
             if staged:
