@@ -28,7 +28,7 @@ from tiered_kv.cli import main
 from tiered_kv.errors import CorruptChunk, UnsafeStore
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.registry import TIERS
-from tiered_kv.tiers import nvme_inspect
+from tiered_kv.tiers import nvme_format
 from tiered_kv.tiers.nvme import NvmeTier
 from tiered_kv.tiers.nvme_format import HEADER_BYTES, slot_faults
 from tiered_kv.tiers.nvme_journal import Identity, encode_checkpoint, encode_frame, write_record
@@ -355,7 +355,7 @@ async def test_verify_checks_a_key_listed_for_two_slots_where_a_reopen_serves_it
         read.extend(slot for slot, _ in pairs)
         return slot_faults(fd, pairs, **options)
 
-    monkeypatch.setattr(nvme_inspect, "slot_faults", counted)
+    monkeypatch.setattr(nvme_format, "slot_faults", counted)
     code, report, document = inspect_cli(capsys, copy.parent, "--verify")
     [group] = [g for g in document["stores"][0]["groups"] if g["group"] == 0]
     assert code == 0 and group["corrupt"] == [] and damage_lines(report) == []

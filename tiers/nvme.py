@@ -558,10 +558,10 @@ class NvmeTier(DriverBase):
         up to ``COALESCE_OPS`` slots and ``COALESCE_BYTES`` bytes a call."""
         ops = sorted(ops, key=_slot_of)
         group: list[tuple[TransferOp, memoryview]] = []
-        most = max(1, COALESCE_BYTES // self.slot_stride)
+        most = min(COALESCE_OPS, max(1, COALESCE_BYTES // self.slot_stride))
         for op, data in zip(ops, bytes_of_each(op.buffer for op in ops), strict=True):
             staged = self._staged(op)
-            if group and (staged or op.slot != group[-1][0].slot + 1 or len(group) in (COALESCE_OPS, most)):
+            if group and (staged or op.slot != group[-1][0].slot + 1 or len(group) == most):
                 self._write_slots(group, staged=False)
                 group = []
             if staged:
@@ -577,11 +577,19 @@ class NvmeTier(DriverBase):
         slot. ``staged``: one op, whose bytes go through the lane's staging buffer.
         Unstaged, the headers are packed in C with the interpreter lock released, where
         the xxhash package lets them be (:data:`PACKED_IN_C`)."""
+        first, final = ops[0][0].slot, ops[-1][0].slot
+        write = self._write_packed_in_c if PACKED_IN_C and not staged else self._write_packed_in_python
+        try:
+            done, asked = write(ops, staged)
+        except OSError as exc:
+            raise tier_error(self.name, f"writing slots {first} to {final}", exc) from exc
+        if done != asked:
+            raise TierIOError(f"short write to slots {first} to {final}: {done} bytes", tier=self.name)
+
+    def _write_packed_in_python(self, ops: list[tuple[TransferOp, memoryview]], staged: bool) -> tuple[int, int]:
+        """:meth:`_write_slots` with the headers packed in Python: (bytes written, asked)."""
         lane = self._lanes
         payload_room = self.slot_stride - HEADER_BYTES
-        if PACKED_IN_C and not staged:
-            self._write_packed_in_c(ops, lane, payload_room)
-            return
         headers, fingerprint = lane.headers, self._fingerprint
         iov: list[memoryview] = []
         last = len(ops) - 1
@@ -601,32 +609,25 @@ class NvmeTier(DriverBase):
             iov += [headers[at : at + HEADER_BYTES], payload]
             if i < last and len(payload) < payload_room:
                 iov.append(lane.padding(payload_room - len(payload), payload_room))
-        first, final = ops[0][0].slot, ops[-1][0].slot
-        try:
-            done = os.pwritev(self._fd, iov, first * self.slot_stride)
-        except OSError as exc:
-            raise tier_error(self.name, f"writing slots {first} to {final}", exc) from exc
-        if done != sum(len(part) for part in iov):
-            raise TierIOError(f"short write to slots {first} to {final}: {done} bytes", tier=self.name)
+        return os.pwritev(self._fd, iov, ops[0][0].slot * self.slot_stride), sum(len(part) for part in iov)
 
-    def _write_packed_in_c(self, ops: list[tuple[TransferOp, memoryview]], lane: _Lane, payload_room: int) -> None:
-        first, final = ops[0][0].slot, ops[-1][0].slot
-        try:
-            done, asked = write_run(
-                self._fd,
-                first * self.slot_stride,
-                lane.headers,
-                [data for _, data in ops],
-                [op.key for op, _ in ops],
-                first,
-                self._fingerprint,
-                lane.padding(payload_room, payload_room),
-                payload_room,
-            )
-        except OSError as exc:
-            raise tier_error(self.name, f"writing slots {first} to {final}", exc) from exc
-        if done != asked:
-            raise TierIOError(f"short write to slots {first} to {final}: {done} bytes", tier=self.name)
+    def _write_packed_in_c(self, ops: list[tuple[TransferOp, memoryview]], staged: bool) -> tuple[int, int]:
+        """:meth:`_write_slots` of an unstaged run, packed and written by
+        :func:`tiered_kv._slotwrite.write_run`: (bytes written, asked)."""
+        lane = self._lanes
+        payload_room = self.slot_stride - HEADER_BYTES
+        first = ops[0][0].slot
+        return write_run(
+            self._fd,
+            first * self.slot_stride,
+            lane.headers,
+            [data for _, data in ops],
+            [op.key for op, _ in ops],
+            first,
+            self._fingerprint,
+            lane.padding(payload_room, payload_room),
+            payload_room,
+        )
 
     def _read_run(self, ops: Sequence[TransferOp]) -> None:
         for op, data in zip(ops, bytes_of_each(op.buffer for op in ops), strict=True):

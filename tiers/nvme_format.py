@@ -163,15 +163,22 @@ def slots_hold(
     key whole, as a read would find it (:func:`verify_slot`: a header of this namespace
     written for this slot names the key, and the payload matches its checksum). A slot
     whose header names the key while its payload was torn (a crash that landed some of
-    the payload's pages and not the header's rewrite) does not. Each slot is a round
-    trip to the device: ``threads`` of them at once."""
-    check = functools.partial(slot_faults, fd, slot_bytes=slot_bytes, fingerprint=fingerprint)
+    the payload's pages and not the header's rewrite) does not."""
     pairs = list(zip(slots, keys, strict=True))
+    return [fault is None for fault in slot_faults_in_threads(fd, pairs, slot_bytes, fingerprint, threads)]
+
+
+def slot_faults_in_threads(
+    fd: int, pairs: list[tuple[int, bytes]], slot_bytes: int, fingerprint: bytes, threads: int
+) -> list[str | None]:
+    """:func:`slot_faults` of ``pairs``, shared by their bytes among up to ``threads``
+    threads: each slot is a round trip to the device."""
+    check = functools.partial(slot_faults, fd, slot_bytes=slot_bytes, fingerprint=fingerprint)
     parts = split(pairs, thread_parts(len(pairs) * slot_stride(slot_bytes), threads))
     if len(parts) <= 1:
-        return [fault is None for fault in check(pairs)]
+        return check(pairs)
     with ThreadPoolExecutor(len(parts), thread_name_prefix="tiered-kv-nvme-verify") as pool:
-        return [fault is None for part in pool.map(check, parts) for fault in part]
+        return [fault for part in pool.map(check, parts) for fault in part]
 
 
 def slot_faults(

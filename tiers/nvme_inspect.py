@@ -23,7 +23,6 @@ import functools
 import os
 import re
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,13 +33,13 @@ from tiered_kv.errors import UnsafeStore
 from tiered_kv.inspection import CorruptSlot, GroupReport, Inspection, StoreReport
 from tiered_kv.layout import KVGroup
 from tiered_kv.namespace import Namespace
-from tiered_kv.tiers._driver import split, tier_error
+from tiered_kv.tiers._driver import tier_error
 from tiered_kv.tiers.nvme_files import check_safe, open_file, open_subdir, read_file
 from tiered_kv.tiers.nvme_format import (
     NAMESPACE_FILE,
     decode_namespace,
     group_file,
-    slot_faults,
+    slot_faults_in_threads,
     slot_stride,
     store_groups,
 )
@@ -300,12 +299,9 @@ def _outside(records: np.ndarray, slots: int, listed: SlotMap) -> dict[int, byte
 def _check(
     fd: int, slot_bytes: int, fingerprint: bytes, faults: dict[int, str | None], slots: list[int], keys: list[bytes]
 ) -> list[bool]:
-    """Whether each slot holds its key, checked as a read checks it (:func:`slot_faults`),
-    ``VERIFY_THREADS`` at a time: a :data:`Holding`, which notes in ``faults`` why each
-    slot fails (None: it holds its key), so that no slot is read twice."""
-    runs = split(list(zip(slots, keys, strict=True)), VERIFY_THREADS)
-    check = functools.partial(slot_faults, fd, slot_bytes=slot_bytes, fingerprint=fingerprint)
-    with ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="tiered-kv-inspect") as pool:
-        found = [fault for run_faults in pool.map(check, runs) for fault in run_faults]
+    """Whether each slot holds its key, checked as a read checks it, ``VERIFY_THREADS`` at
+    a time (:func:`slot_faults_in_threads`): a :data:`Holding`, which notes in ``faults``
+    why each slot fails (None: it holds its key), so that no slot is read twice."""
+    found = slot_faults_in_threads(fd, list(zip(slots, keys, strict=True)), slot_bytes, fingerprint, VERIFY_THREADS)
     faults.update(zip(slots, found, strict=True))
     return [fault is None for fault in found]
