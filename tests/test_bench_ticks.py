@@ -108,6 +108,25 @@ async def test_the_kernel_ticker_ticks_and_lets_go_of_its_timer() -> None:
 
 
 @needs_timerfd
+async def test_the_kernel_ticker_reads_its_timer_without_os_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``os.read`` gives up the interpreter lock, and the loop then waits for the threads
+    of the load it measures to give it back: the ticker's own stall. It reads keeping the
+    lock (``tiered_kv._counterfd.take``)."""
+
+    def gives_up_the_lock(fd: int, n: int) -> bytes:
+        raise AssertionError("os.read on the loop")
+
+    monkeypatch.setattr(os, "read", gives_up_the_lock)
+    reported: list[object] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: reported.append(context))
+    ticker = KernelTicker()
+    with ticker.running():
+        await asyncio.sleep(0.05)
+        assert ticker._lates, "no tick in 50 ms of 1 ms ticks"
+    assert reported == []
+
+
+@needs_timerfd
 def test_the_kernel_ticker_outside_a_loop_refuses_before_it_makes_a_timer() -> None:
     """Regression (review): the timerfd was made before the running loop was asked for,
     and a call without one leaked it."""

@@ -11,7 +11,6 @@ may free the buffers as soon as the call returns or raises.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import itertools
 import os
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 from tiered_kv.errors import TierError, TierFullError, TierIOError
 from tiered_kv.interfaces import TransferOp
 from tiered_kv.scheduler import wait_out
+from tiered_kv.tiers._completions import completions
 
 if TYPE_CHECKING:  # torch is imported where it is used: `tiered-kv inspect` runs without it
     import torch
@@ -276,17 +276,29 @@ async def worker_pool_off_loop(name: str, workers: int) -> WorkerPool:
 class _Calls:
     """Calls running in worker threads and what they returned or raised.
 
-    Each call is counted finished on the loop once: when it has run (one
-    ``call_soon_threadsafe`` from its thread), or when it is dropped from the loop before
+    Each call is counted finished on the loop once: when it has run (posted to the loop's
+    :func:`~tiered_kv.tiers._completions.completions` from its thread), or when it is dropped from the loop before
     it begins (never submitted, or its caller was cancelled), after which its thread skips
     it. A call that has begun reports itself. The awaiting task wakes once the last one is
     counted.
     """
 
-    __slots__ = ("_counted", "_dropped", "_left", "_lock", "_loop", "_started", "_waiter", "errors", "results")
+    __slots__ = (
+        "_completions",
+        "_counted",
+        "_dropped",
+        "_left",
+        "_lock",
+        "_loop",
+        "_started",
+        "_waiter",
+        "errors",
+        "results",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
         self._loop = loop
+        self._completions = completions(loop)
         self._left = n
         self._waiter: asyncio.Future[None] | None = None
         self._lock = threading.Lock()
@@ -307,11 +319,7 @@ class _Calls:
         except BaseException as exc:  # handed to the awaiting task
             self.errors[i] = exc
         finally:
-            self._report(i)
-
-    def _report(self, i: int) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits this
-            self._loop.call_soon_threadsafe(self.finished, i)
+            self._completions.post(self.finished, i)
 
     def drop(self, i: int) -> None:
         """On the loop: call ``i`` must not begin; if it has, it reports when it ends."""

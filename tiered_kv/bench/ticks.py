@@ -25,11 +25,12 @@ import functools
 import json
 import os
 import statistics
-import struct
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
+
+from tiered_kv import _counterfd
 
 TICK_S = 0.001
 #: How long the bystander may take to answer ``take`` or to end before it is given up.
@@ -104,9 +105,10 @@ class KernelTicker:
 
     def _fired(self) -> None:
         now = time.clock_gettime(time.CLOCK_MONOTONIC)
-        try:
-            (count,) = struct.unpack("=Q", os.read(self._fd, 8))
-        except BlockingIOError:  # read already (a spurious wake-up)
+        # Read keeping the interpreter lock: os.read gives it up, and the loop would then
+        # wait for worker threads to give it back, a stall of the ticker's own making.
+        count = _counterfd.take(self._fd)
+        if not count:  # read already (a spurious wake-up)
             return
         self._lates.append(now - (self._first + self._seen * TICK_S))  # from the earliest pending tick
         self._seen += count
