@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from hypothesis import HealthCheck, settings
 
 from tiered_kv import AttentionKind, KVGeometry, KVGroup, Namespace
 from tiered_kv.log import reset_loggers
+from tiered_kv.tiers._completions import completions
 
 # Property tests assert on values, never on time: hypothesis's per-example deadline and its
 # "generating data is too slow" check fail them on a loaded machine (a CI runner, two test
@@ -83,6 +86,14 @@ def _restore_structlog_defaults():
     yield
     structlog.reset_defaults()
     reset_loggers()
+
+
+def open_fds() -> int:
+    """Files open in this process; the running loop's completions (an eventfd made at its
+    first worker call, which lives as long as the loop) counted from the first call on."""
+    with contextlib.suppress(RuntimeError):  # no loop running
+        completions(asyncio.get_running_loop())
+    return len(os.listdir("/proc/self/fd"))
 
 
 def run_with_output_closed(*args: str) -> subprocess.CompletedProcess[str]:

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from pathlib import Path
 
 import pytest
-from conftest import make_namespace
+from conftest import make_namespace, open_fds
 from test_manager_data import engine_cache
 
 from tiered_kv import CpuTierConfig, NvmeTierConfig, TieredKV, TieredKVConfig, TieredKVError, chunk_keys
-from tiered_kv.tiers._completions import completions
 
 NS = make_namespace()
 CHUNK = NS.geometry.chunk_bytes()
@@ -33,14 +31,6 @@ def config(root: Path) -> TieredKVConfig:
     return TieredKVConfig(
         cpu=CpuTierConfig(capacity_bytes=CHUNK * 8), nvme=NvmeTierConfig(root=str(root), capacity_bytes=CHUNK * 32)
     )
-
-
-def open_fds() -> int:
-    """Files open in this process; the running loop's completions (an eventfd made at its
-    first worker call, which lives as long as the loop) counted from the first call on."""
-    with contextlib.suppress(RuntimeError):  # no loop running
-        completions(asyncio.get_running_loop())
-    return len(os.listdir("/proc/self/fd"))
 
 
 async def reopens(root: Path) -> None:

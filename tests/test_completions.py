@@ -200,6 +200,44 @@ def test_calls_left_by_an_interrupted_turn_run_on_the_next() -> None:
 
 
 @linux_only
+def test_an_interrupt_between_taking_the_wake_up_and_clearing_the_flag_loses_no_later_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression (adversarial review): a ``KeyboardInterrupt`` landing after the loop took
+    the counter but before it cleared the flag left the flag set with no wake-up pending,
+    and no later post woke the loop again: every later worker call on it hung."""
+    loop = asyncio.new_event_loop()
+    try:
+        target = completions(loop)
+        ran: list[str] = []
+        after = asyncio.Event()
+        take = _counterfd.take
+
+        def interrupted_take(fd: int) -> int:
+            take(fd)
+            raise KeyboardInterrupt
+
+        def run(name: str) -> None:
+            ran.append(name)
+            if name == "later":
+                after.set()
+
+        monkeypatch.setattr(_counterfd, "take", interrupted_take)
+        threading.Thread(target=target.post, args=(run, "first")).start()
+        waiting = loop.create_task(after.wait())
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(waiting)
+        monkeypatch.setattr(_counterfd, "take", take)
+        posting = threading.Thread(target=target.post, args=(run, "later"))
+        posting.start()
+        posting.join()
+        loop.run_until_complete(asyncio.wait_for(waiting, 5))
+        assert ran == ["first", "later"]
+    finally:
+        loop.close()
+
+
+@linux_only
 def test_a_loops_completions_and_their_eventfd_go_with_the_loop() -> None:
     loop = asyncio.new_event_loop()
     target = completions(loop)
@@ -224,12 +262,21 @@ def test_a_loops_completions_and_their_eventfd_go_with_the_loop() -> None:
     assert raised.value.errno == errno.EBADF
 
 
-def test_without_an_eventfd_completions_go_through_call_soon_threadsafe(monkeypatch: pytest.MonkeyPatch) -> None:
+class _LoopWatchingNoFds(asyncio.SelectorEventLoop):
+    def add_reader(self, *args: Any) -> None:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("missing", ["eventfd", "add_reader"])
+def test_without_an_eventfd_completions_go_through_call_soon_threadsafe(
+    monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
     def no_eventfd() -> int:
         raise OSError(errno.ENOSYS, "no eventfd")
 
-    monkeypatch.setattr(_counterfd, "eventfd", no_eventfd)
-    loop = asyncio.new_event_loop()
+    if missing == "eventfd":
+        monkeypatch.setattr(_counterfd, "eventfd", no_eventfd)
+    loop = asyncio.new_event_loop() if missing == "eventfd" else _LoopWatchingNoFds()
     try:
         target = completions(loop)
         assert not isinstance(target, Completions)

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from conftest import make_namespace
+from conftest import make_namespace, open_fds
 from nvme_snapshot import crash_copy
 from structlog.testing import capture_logs
 
@@ -475,13 +475,13 @@ async def test_an_open_cancelled_while_its_files_open_closes_them_and_unlocks_th
         return files
 
     monkeypatch.setattr(NvmeTier, "_open_files", staticmethod(slow_open_files))
-    before = len(os.listdir("/proc/self/fd"))
+    before = open_fds()
     task = asyncio.ensure_future(open_store(tmp_path))
     await asyncio.sleep(0.05)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert open_fds() == before
     monkeypatch.setattr(NvmeTier, "_open_files", staticmethod(opened))
     await (await open_store(tmp_path)).close()
 

@@ -40,7 +40,9 @@ class Completions:
         except BaseException:
             os.close(self._fd)
             raise
-        weakref.finalize(self, os.close, self._fd)  # once the loop, which holds this, is gone
+        # Once the loop, which holds this, is gone; not at the interpreter's exit, when a
+        # loop may still run in a thread (the process's end closes it then).
+        weakref.finalize(self, os.close, self._fd).atexit = False
 
     def post(self, fn: Callable[[Any], object], arg: Any) -> None:
         """From any thread: run ``fn(arg)`` on the loop's thread."""
@@ -52,10 +54,10 @@ class Completions:
             _counterfd.signal(self._fd)
 
     def _run(self) -> None:
-        _counterfd.take(self._fd)
-        self._signalled = False
         calls = self._calls
         try:
+            _counterfd.take(self._fd)
+            self._signalled = False
             while calls:
                 fn, arg = calls.popleft()
                 try:
@@ -65,7 +67,11 @@ class Completions:
                         {"message": f"exception in the completion {fn!r}", "exception": exc}
                     )
         finally:
-            if calls and not self._signalled:  # cut short (a KeyboardInterrupt): on the next turn
+            # Cut short (a KeyboardInterrupt, anywhere from the take on): the calls left run
+            # on the next turn, and a flag left set must have its wake-up pending, or no post
+            # would wake the loop again. (Also taken when a post raced the last call: one
+            # more write to a counter whose wake-up is pending already.)
+            if calls or self._signalled:
                 self._signalled = True
                 _counterfd.signal(self._fd)
 
@@ -98,7 +104,7 @@ def completions(loop: asyncio.AbstractEventLoop) -> Completions | _ThreadsafeCal
     if found is None:
         try:
             found = Completions(loop)
-        except OSError:  # no eventfd (not Linux)
+        except (OSError, NotImplementedError):  # no eventfd (not Linux), or a loop watching no fds
             found = _ThreadsafeCalls(loop)
         _OF_LOOP[loop] = found
     return found
