@@ -4,6 +4,7 @@ counters it wakes the loop with (tiered_kv/_counterfd.c)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import errno
 import gc
 import os
@@ -17,7 +18,6 @@ import pytest
 
 from tiered_kv import _counterfd
 from tiered_kv.bench.ticks import KernelTicker
-from tiered_kv.tiers import _completions
 from tiered_kv.tiers._completions import Completions, completions
 from tiered_kv.tiers._driver import WorkerPool, in_threads
 
@@ -238,6 +238,84 @@ def test_an_interrupt_between_taking_the_wake_up_and_clearing_the_flag_loses_no_
 
 
 @linux_only
+@pytest.mark.parametrize(
+    "between", ["a post lands before the loop takes the wake-up", "the loop runs as a post signals"]
+)
+def test_a_post_and_a_turn_interleaved_at_their_critical_points_lose_no_later_call(
+    monkeypatch: pytest.MonkeyPatch, between: str
+) -> None:
+    """The two races of the flag, forced on one thread: a post just before the loop takes
+    the counter, and the loop's whole turn between a post's signal and its return. Neither
+    may leave the flag set with no wake-up pending, after which no post would wake the
+    loop. (The second fails if a post signals before it sets the flag.)"""
+    loop = asyncio.new_event_loop()
+    try:
+        target = completions(loop)
+        assert isinstance(target, Completions)
+        ran: list[str] = []
+        last = asyncio.Event()
+
+        def run(name: str) -> None:
+            ran.append(name)
+            if name == "last":
+                last.set()
+
+        take, signal = _counterfd.take, _counterfd.signal
+        if between.startswith("a post"):
+
+            def take_after_a_post(fd: int) -> int:
+                monkeypatch.setattr(_counterfd, "take", take)
+                target.post(run, "racing")
+                return take(fd)
+
+            monkeypatch.setattr(_counterfd, "take", take_after_a_post)
+        else:
+
+            def signal_then_run(fd: int) -> None:
+                monkeypatch.setattr(_counterfd, "signal", signal)
+                signal(fd)
+                target._run()  # the loop's turn, between the post's signal and its return
+
+            monkeypatch.setattr(_counterfd, "signal", signal_then_run)
+        threading.Thread(target=target.post, args=(run, "first")).start()
+        loop.run_until_complete(asyncio.sleep(0.05))
+        poster = threading.Thread(target=target.post, args=(run, "last"))
+        poster.start()
+        poster.join()
+        loop.run_until_complete(asyncio.wait_for(last.wait(), 5))
+        assert ran == (["first", "racing", "last"] if between.startswith("a post") else ["first", "last"])
+    finally:
+        loop.close()
+
+
+async def test_completions_run_in_no_callers_context_and_keep_none_alive() -> None:
+    """Regression (review): the eventfd's reader took the context of the first task that
+    called a worker, ran every completion in it and kept its values for the loop's life."""
+    request: contextvars.ContextVar[object] = contextvars.ContextVar("request")
+    seen: list[object] = []
+
+    class Request:
+        pass
+
+    async def first_caller() -> weakref.ref[Request]:
+        held = Request()
+        request.set(held)
+        pool = WorkerPool("test", 1)
+        try:
+            await in_threads(pool, lambda: None, [()])
+        finally:
+            pool.shutdown()
+        return weakref.ref(held)
+
+    gone = await asyncio.ensure_future(first_caller())
+    completions(asyncio.get_running_loop()).post(lambda _: seen.append(request.get(None)), None)
+    await asyncio.sleep(0.05)
+    gc.collect()
+    assert seen == [None]
+    assert gone() is None
+
+
+@linux_only
 def test_a_loops_completions_and_their_eventfd_go_with_the_loop() -> None:
     loop = asyncio.new_event_loop()
     target = completions(loop)
@@ -250,13 +328,13 @@ def test_a_loops_completions_and_their_eventfd_go_with_the_loop() -> None:
     finally:
         pool.shutdown()
     loop.close()
-    # A thread still holding them may post to a closed loop: nothing runs, nothing raises.
+    # A thread still holding them may post to a closed loop: nothing runs, raises or stays.
     target.post(print, "never")
+    assert not target._calls
     gone = weakref.ref(loop)
     del target, loop
     gc.collect()
     assert gone() is None
-    assert all(other is not None for other in _completions._OF_LOOP)  # its entry went with it
     with pytest.raises(OSError) as raised:
         os.fstat(fd)
     assert raised.value.errno == errno.EBADF

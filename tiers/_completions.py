@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import os
 import weakref
 from collections.abc import Callable
@@ -29,14 +30,16 @@ from tiered_kv import _counterfd
 class Completions:
     """Calls posted from any thread, run on ``loop``'s thread in the order posted."""
 
-    __slots__ = ("__weakref__", "_calls", "_fd", "_signalled")
+    __slots__ = ("__weakref__", "_calls", "_fd", "_loop", "_signalled")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._fd = _counterfd.eventfd()
         self._calls: collections.deque[tuple[Callable[[Any], object], Any]] = collections.deque()
         self._signalled = False
+        self._loop = weakref.ref(loop)  # the loop holds this (its reader), not the reverse
         try:
-            loop.add_reader(self._fd, self._run)
+            # In a context of its own: not the first caller's, which it would keep alive.
+            contextvars.Context().run(loop.add_reader, self._fd, self._run)
         except BaseException:
             os.close(self._fd)
             raise
@@ -45,10 +48,16 @@ class Completions:
         weakref.finalize(self, os.close, self._fd).atexit = False
 
     def post(self, fn: Callable[[Any], object], arg: Any) -> None:
-        """From any thread: run ``fn(arg)`` on the loop's thread."""
+        """From any thread: run ``fn(arg)`` on the loop's thread; nothing once the loop is
+        closed (nobody awaits it then)."""
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return
         self._calls.append((fn, arg))
-        # The flag is cleared before the loop takes the calls (see _run): a call appended
-        # while it was set is taken by the wake-up that set it.
+        # The loop clears the flag after it takes the counter and before it takes the calls
+        # (see _run): a call appended while the flag was set is taken by the wake-up that
+        # set it. The flag is set before the counter is, or the loop could take the wake-up
+        # and clear the flag in between, and the flag would stay set with none pending.
         if not self._signalled:
             self._signalled = True
             _counterfd.signal(self._fd)
@@ -58,7 +67,8 @@ class Completions:
         try:
             _counterfd.take(self._fd)
             self._signalled = False
-            while calls:
+            # Those posted by now: any posted meanwhile run on the next turn (they signalled).
+            for _ in range(len(calls)):
                 fn, arg = calls.popleft()
                 try:
                     fn(arg)
@@ -67,13 +77,13 @@ class Completions:
                         {"message": f"exception in the completion {fn!r}", "exception": exc}
                     )
         finally:
-            # Cut short (a KeyboardInterrupt, anywhere from the take on): the calls left run
-            # on the next turn, and a flag left set must have its wake-up pending, or no post
-            # would wake the loop again. (Also taken when a post raced the last call: one
-            # more write to a counter whose wake-up is pending already.)
+            # Calls left (posted during the turn, or the turn cut short by an interrupt
+            # anywhere from the take on) run on the next turn; and a flag left set must have
+            # its wake-up pending, or no post would wake the loop again. (A wake-up may be
+            # pending already: the counter then counts two.)
             if calls or self._signalled:
+                _counterfd.signal(self._fd)  # before the flag: an interrupt in between loses nothing
                 self._signalled = True
-                _counterfd.signal(self._fd)
 
 
 class _ThreadsafeCalls:
@@ -98,8 +108,7 @@ _OF_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Completions | _Th
 
 def completions(loop: asyncio.AbstractEventLoop) -> Completions | _ThreadsafeCalls:
     """The running ``loop``'s completions, made on first use (on the loop's thread). They
-    hold no reference to the loop (which holds them while it lives): the table's entry goes
-    with the loop."""
+    hold no reference to the loop, so the table's entry and the eventfd go with it."""
     found = _OF_LOOP.get(loop)
     if found is None:
         try:
