@@ -3,11 +3,11 @@
 ``loop.call_soon_threadsafe`` wakes the loop through its self-pipe, and the loop reads
 that pipe with ``socket.recv``, which gives up the interpreter lock. On a busy loop the
 lock then goes to a worker thread queued for it, and the loop waits for that worker, and
-any other queued before it, to give it back: measured while a store grew by 200k chunks
-of 4 KiB, the loop's read of its self-pipe took 54 µs on average, and the eventfd's turn
-that replaced it 7 µs. :class:`Completions` wakes the loop through an eventfd it reads without giving up
-the lock (:mod:`tiered_kv._counterfd`), and a wake-up the loop has not yet taken is not
-repeated: the calls posted meanwhile run with it.
+any other queued before it, to give it back. :class:`Completions` wakes the loop through
+an eventfd it reads without giving up the lock (:mod:`tiered_kv._counterfd`), and a
+wake-up the loop has not yet taken is not repeated: the calls posted meanwhile run with
+it. Measured while a store grew by 200k chunks of 4 KiB, the loop's read of its
+self-pipe took 54 µs on average, the eventfd's turn that replaced it 7 µs.
 
 Where the system has no eventfd, :func:`completions` falls back to
 ``call_soon_threadsafe``.

@@ -276,11 +276,11 @@ async def worker_pool_off_loop(name: str, workers: int) -> WorkerPool:
 class _Calls:
     """Calls running in worker threads and what they returned or raised.
 
-    Each call is counted finished on the loop once: when it has run (posted to the loop's
-    :func:`~tiered_kv.tiers._completions.completions` from its thread), or when it is dropped from the loop before
-    it begins (never submitted, or its caller was cancelled), after which its thread skips
-    it. A call that has begun reports itself. The awaiting task wakes once the last one is
-    counted.
+    Each call is counted finished on the loop once: when it has run (posted from its
+    thread to the loop's :func:`~tiered_kv.tiers._completions.completions`), or when it is
+    dropped from the loop before it begins (never submitted, or its caller was
+    cancelled), after which its thread skips it. A call that has begun reports itself.
+    The awaiting task wakes once the last one is counted.
     """
 
     __slots__ = (
