@@ -578,9 +578,12 @@ class NvmeTier(DriverBase):
         Unstaged, the headers are packed in C with the interpreter lock released, where
         the xxhash package lets them be (:data:`PACKED_IN_C`)."""
         first, final = ops[0][0].slot, ops[-1][0].slot
-        write = self._write_packed_in_c if PACKED_IN_C and not staged else self._write_packed_in_python
         try:
-            done, asked = write(ops, staged)
+            done, asked = (
+                self._write_packed_in_c(ops)
+                if PACKED_IN_C and not staged
+                else self._write_packed_in_python(ops, staged)
+            )
         except OSError as exc:
             raise tier_error(self.name, f"writing slots {first} to {final}", exc) from exc
         if done != asked:
@@ -611,7 +614,7 @@ class NvmeTier(DriverBase):
                 iov.append(lane.padding(payload_room - len(payload), payload_room))
         return os.pwritev(self._fd, iov, ops[0][0].slot * self.slot_stride), sum(len(part) for part in iov)
 
-    def _write_packed_in_c(self, ops: list[tuple[TransferOp, memoryview]], staged: bool) -> tuple[int, int]:
+    def _write_packed_in_c(self, ops: list[tuple[TransferOp, memoryview]]) -> tuple[int, int]:
         """:meth:`_write_slots` of an unstaged run, packed and written by
         :func:`tiered_kv._slotwrite.write_run`: (bytes written, asked)."""
         lane = self._lanes
