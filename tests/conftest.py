@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -90,7 +91,10 @@ def _restore_structlog_defaults():
 
 def open_fds() -> int:
     """Files open in this process; the running loop's completions (an eventfd made at its
-    first worker call, which lives as long as the loop) counted from the first call on."""
+    first worker call, which lives as long as the loop) counted from the first call on,
+    and those of earlier tests' loops, which a garbage collection would close mid-count,
+    closed first."""
+    gc.collect()
     with contextlib.suppress(RuntimeError):  # no loop running
         completions(asyncio.get_running_loop())
     return len(os.listdir("/proc/self/fd"))

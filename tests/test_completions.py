@@ -12,6 +12,7 @@ import random
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -22,6 +23,23 @@ from tiered_kv.tiers._completions import Completions, completions
 from tiered_kv.tiers._driver import WorkerPool, in_threads
 
 linux_only = pytest.mark.skipif(not KernelTicker.available(), reason="eventfd and timerfd are Linux's")
+
+
+@pytest.fixture
+def own_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """A loop the test runs itself (``run_until_complete``), where an interrupt may end a run."""
+    loop = asyncio.new_event_loop()
+    try:
+        yield loop
+    finally:
+        loop.close()
+
+
+def post_from_a_thread(target: Completions | Any, fn: Callable[[Any], object], arg: object) -> None:
+    """``target.post(fn, arg)`` from another thread, as a worker posts; returns once posted."""
+    poster = threading.Thread(target=target.post, args=(fn, arg))
+    poster.start()
+    poster.join()
 
 
 @linux_only
@@ -170,71 +188,60 @@ async def test_a_completion_that_raises_is_reported_and_the_others_still_run() -
 
 
 @linux_only
-def test_calls_left_by_an_interrupted_turn_run_on_the_next() -> None:
+def test_calls_left_by_an_interrupted_turn_run_on_the_next(own_loop: asyncio.AbstractEventLoop) -> None:
     """A ``KeyboardInterrupt`` in one completion ends the loop's run; the calls posted
     after it are not lost with the wake-up that was taken."""
-    loop = asyncio.new_event_loop()
-    try:
-        target = completions(loop)
-        ran: list[int] = []
-        after = asyncio.Event()
+    target = completions(own_loop)
+    ran: list[int] = []
+    after = asyncio.Event()
 
-        def interrupt(_: object) -> None:
-            raise KeyboardInterrupt
+    def interrupt(_: object) -> None:
+        raise KeyboardInterrupt
 
-        def run(i: int) -> None:
-            ran.append(i)
-            after.set()
+    def run(i: int) -> None:
+        ran.append(i)
+        after.set()
 
-        worker = threading.Thread(target=lambda: [target.post(interrupt, None), target.post(run, 1)])
-        worker.start()
-        worker.join()
-        waiting = loop.create_task(after.wait())
-        with pytest.raises(KeyboardInterrupt):
-            loop.run_until_complete(waiting)
-        assert ran == []
-        loop.run_until_complete(asyncio.wait_for(waiting, 5))
-        assert ran == [1]
-    finally:
-        loop.close()
+    post_from_a_thread(target, interrupt, None)
+    post_from_a_thread(target, run, 1)
+    waiting = own_loop.create_task(after.wait())
+    with pytest.raises(KeyboardInterrupt):
+        own_loop.run_until_complete(waiting)
+    assert ran == []
+    own_loop.run_until_complete(asyncio.wait_for(waiting, 5))
+    assert ran == [1]
 
 
 @linux_only
 def test_an_interrupt_between_taking_the_wake_up_and_clearing_the_flag_loses_no_later_call(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, own_loop: asyncio.AbstractEventLoop
 ) -> None:
     """Regression (adversarial review): a ``KeyboardInterrupt`` landing after the loop took
     the counter but before it cleared the flag left the flag set with no wake-up pending,
     and no later post woke the loop again: every later worker call on it hung."""
-    loop = asyncio.new_event_loop()
-    try:
-        target = completions(loop)
-        ran: list[str] = []
-        after = asyncio.Event()
-        take = _counterfd.take
+    target = completions(own_loop)
+    ran: list[str] = []
+    after = asyncio.Event()
+    take = _counterfd.take
 
-        def interrupted_take(fd: int) -> int:
-            take(fd)
-            raise KeyboardInterrupt
+    def interrupted_take(fd: int) -> int:
+        take(fd)
+        raise KeyboardInterrupt
 
-        def run(name: str) -> None:
-            ran.append(name)
-            if name == "later":
-                after.set()
+    def run(name: str) -> None:
+        ran.append(name)
+        if name == "later":
+            after.set()
 
-        monkeypatch.setattr(_counterfd, "take", interrupted_take)
-        threading.Thread(target=target.post, args=(run, "first")).start()
-        waiting = loop.create_task(after.wait())
-        with pytest.raises(KeyboardInterrupt):
-            loop.run_until_complete(waiting)
-        monkeypatch.setattr(_counterfd, "take", take)
-        posting = threading.Thread(target=target.post, args=(run, "later"))
-        posting.start()
-        posting.join()
-        loop.run_until_complete(asyncio.wait_for(waiting, 5))
-        assert ran == ["first", "later"]
-    finally:
-        loop.close()
+    monkeypatch.setattr(_counterfd, "take", interrupted_take)
+    post_from_a_thread(target, run, "first")
+    waiting = own_loop.create_task(after.wait())
+    with pytest.raises(KeyboardInterrupt):
+        own_loop.run_until_complete(waiting)
+    monkeypatch.setattr(_counterfd, "take", take)
+    post_from_a_thread(target, run, "later")
+    own_loop.run_until_complete(asyncio.wait_for(waiting, 5))
+    assert ran == ["first", "later"]
 
 
 @linux_only
@@ -242,50 +249,75 @@ def test_an_interrupt_between_taking_the_wake_up_and_clearing_the_flag_loses_no_
     "between", ["a post lands before the loop takes the wake-up", "the loop runs as a post signals"]
 )
 def test_a_post_and_a_turn_interleaved_at_their_critical_points_lose_no_later_call(
-    monkeypatch: pytest.MonkeyPatch, between: str
+    monkeypatch: pytest.MonkeyPatch, own_loop: asyncio.AbstractEventLoop, between: str
 ) -> None:
     """The two races of the flag, forced on one thread: a post just before the loop takes
     the counter, and the loop's whole turn between a post's signal and its return. Neither
     may leave the flag set with no wake-up pending, after which no post would wake the
     loop. (The second fails if a post signals before it sets the flag.)"""
-    loop = asyncio.new_event_loop()
-    try:
-        target = completions(loop)
-        assert isinstance(target, Completions)
-        ran: list[str] = []
-        last = asyncio.Event()
+    target = completions(own_loop)
+    assert isinstance(target, Completions)
+    ran: list[str] = []
+    last = asyncio.Event()
 
-        def run(name: str) -> None:
-            ran.append(name)
-            if name == "last":
-                last.set()
+    def run(name: str) -> None:
+        ran.append(name)
+        if name == "last":
+            last.set()
 
-        take, signal = _counterfd.take, _counterfd.signal
-        if between.startswith("a post"):
+    take, signal = _counterfd.take, _counterfd.signal
+    if between.startswith("a post"):
 
-            def take_after_a_post(fd: int) -> int:
-                monkeypatch.setattr(_counterfd, "take", take)
-                target.post(run, "racing")
-                return take(fd)
+        def take_after_a_post(fd: int) -> int:
+            monkeypatch.setattr(_counterfd, "take", take)
+            target.post(run, "racing")
+            return take(fd)
 
-            monkeypatch.setattr(_counterfd, "take", take_after_a_post)
+        monkeypatch.setattr(_counterfd, "take", take_after_a_post)
+    else:
+
+        def signal_then_run(fd: int) -> None:
+            monkeypatch.setattr(_counterfd, "signal", signal)
+            signal(fd)
+            target._run()  # the loop's turn, between the post's signal and its return
+
+        monkeypatch.setattr(_counterfd, "signal", signal_then_run)
+    post_from_a_thread(target, run, "first")
+    own_loop.run_until_complete(asyncio.sleep(0.05))
+    post_from_a_thread(target, run, "last")
+    own_loop.run_until_complete(asyncio.wait_for(last.wait(), 5))
+    assert ran == (["first", "racing", "last"] if between.startswith("a post") else ["first", "last"])
+
+
+@linux_only
+async def test_a_completion_that_posts_again_lets_the_loop_run_before_its_call_does() -> None:
+    """Invariant 8 for the completions: a turn runs the calls posted before it, so calls
+    that keep posting more (a storm of completions) cannot hold the loop; a callback the
+    loop has ready runs between each turn and the next."""
+    loop = asyncio.get_running_loop()
+    target = completions(loop)
+    order: list[str] = []
+    done = asyncio.Event()
+
+    def again(left: int) -> None:
+        order.append(f"completion {left}")
+        if left:
+            target.post(again, left - 1)  # from the loop's own thread, during its turn
+            loop.call_soon(order.append, f"callback {left}")
         else:
+            done.set()
 
-            def signal_then_run(fd: int) -> None:
-                monkeypatch.setattr(_counterfd, "signal", signal)
-                signal(fd)
-                target._run()  # the loop's turn, between the post's signal and its return
-
-            monkeypatch.setattr(_counterfd, "signal", signal_then_run)
-        threading.Thread(target=target.post, args=(run, "first")).start()
-        loop.run_until_complete(asyncio.sleep(0.05))
-        poster = threading.Thread(target=target.post, args=(run, "last"))
-        poster.start()
-        poster.join()
-        loop.run_until_complete(asyncio.wait_for(last.wait(), 5))
-        assert ran == (["first", "racing", "last"] if between.startswith("a post") else ["first", "last"])
-    finally:
-        loop.close()
+    post_from_a_thread(target, again, 3)
+    await asyncio.wait_for(done.wait(), 5)
+    assert order == [
+        "completion 3",
+        "callback 3",
+        "completion 2",
+        "callback 2",
+        "completion 1",
+        "callback 1",
+        "completion 0",
+    ]
 
 
 async def test_completions_run_in_no_callers_context_and_keep_none_alive() -> None:
